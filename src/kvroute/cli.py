@@ -1,0 +1,67 @@
+"""`kvroute` command line: a thin dispatcher over ``kvroute.commands.<name>`` modules.
+
+Every user error (``kvroute.errors.UserError``) ends as one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from kvroute.errors import UserError
+
+# name on the command line -> module in kvroute.commands
+COMMANDS: dict[str, str] = {
+    "demo": "demo",
+    "sim": "sim",
+    "compare": "compare",
+    "validate": "validate",
+    "profiles": "profiles",
+    "engine": "engine",
+    "serve": "serve",
+    "up": "up",
+    "bench": "bench",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UserError(f"{self.prog}: {message}")
+
+
+def _available() -> dict[str, object]:
+    mods = {}
+    for name, mod in COMMANDS.items():
+        try:
+            mods[name] = importlib.import_module(f"kvroute.commands.{mod}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"kvroute.commands.{mod}":
+                raise
+    return mods
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvroute", description="KV-cache-aware LLM request router, simulator and emulator")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, mod in _available().items():
+        p = sub.add_parser(name, help=getattr(mod, "HELP", ""), description=getattr(mod, "HELP", ""))
+        mod.add_arguments(p)  # type: ignore[attr-defined]
+        p.set_defaults(_run=mod.run)  # type: ignore[attr-defined]
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args._run(args))
+    except UserError as exc:
+        print(f"kvroute: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

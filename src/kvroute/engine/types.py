@@ -1,0 +1,140 @@
+"""Types at the engine model's boundary (shared by simulator, emulator and cost models).
+
+Time is always a float in **seconds** on the driver's clock; the engine model never reads a clock.
+Lengths are in **tokens** unless a name says blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+ReqId = int | str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Settings of one engine instance (vLLM's names).
+
+    - ``num_kv_blocks``: KV block pool capacity, in blocks of ``block_size`` tokens.
+    - ``report_tokens``: emit a TOKEN output for every decode step (the emulator needs it to stream);
+      the simulator leaves it off so that pure-decode stretches are computed in one jump.
+    - ``max_model_len``: longest prompt + output accepted, in tokens.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    num_kv_blocks: int = 16384
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_model_len: int = 262144
+    report_tokens: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One request as the engine sees it.
+
+    - ``output_len``: tokens to generate (>= 1), as with ``ignore_eos``.
+    - ``block_hashes``: chained hashes of the prompt's *full* blocks at the engine's block size
+      (``len == prompt_len // block_size``); equal hashes mean equal prefixes.
+    - ``token_ids``: the prompt's token ids when known, carried into ``BlockStored`` events.
+    """
+
+    req_id: ReqId
+    prompt_len: int
+    output_len: int
+    block_hashes: tuple[int, ...] = ()
+    token_ids: tuple[int, ...] | None = None
+
+
+class OutputKind(Enum):
+    FIRST_TOKEN = "first_token"  # prefill done, first output token produced
+    TOKEN = "token"  # one more output token (only with report_tokens)
+    FINISHED = "finished"  # last output token produced; the request's blocks are released
+    PREEMPTED = "preempted"  # evicted by recompute; it goes back to the front of the waiting queue
+    ABORTED = "aborted"  # removed by abort()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOutput:
+    """Something that happened to a request at ``time`` (end of the step that produced it).
+
+    ``num_cached_tokens`` is the prompt's prefix-cache hit at its (last) admission, in tokens;
+    ``num_output_tokens`` counts output tokens produced so far.
+    """
+
+    kind: OutputKind
+    req_id: ReqId
+    time: float
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Full blocks newly cached (vLLM's ``BlockStored``); ``token_ids`` covers all of them (may be
+    empty when the engine does not know the tokens)."""
+
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Cached blocks evicted (vLLM's ``BlockRemoved``)."""
+
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The whole prefix cache was reset (vLLM's ``AllBlocksCleared``)."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine's state.
+
+    - ``running``/``waiting``: requests in the running batch / waiting queue.
+    - ``used_blocks``: blocks referenced by requests; ``cached_blocks``: blocks in the pool holding a
+      hashed full block (referenced or not). ``kv_usage = used_blocks / num_kv_blocks``.
+    - ``queued_prefill_tokens``: prompt tokens still to compute over waiting and running requests
+      (cache hits excluded once the request is admitted).
+    - ``prefix_query_tokens``/``prefix_hit_tokens``: cumulative prompt tokens looked up / found in
+      the prefix cache at admission (vLLM's prefix-cache queries and hits).
+    - ``preemptions``: cumulative preemptions.
+    """
+
+    running: int
+    waiting: int
+    num_kv_blocks: int
+    used_blocks: int
+    cached_blocks: int
+    kv_usage: float
+    queued_prefill_tokens: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    preemptions: int
+    decode_kv_tokens: int = 0
+
+
+class CostModel(Protocol):
+    """Turns one engine step into a duration in seconds.
+
+    ``prefill`` lists the step's prefill chunks as ``(chunk_tokens, context_tokens_before_chunk)``;
+    ``num_decode`` sequences each decode one token, with ``decode_kv_tokens`` the sum of their
+    context lengths (tokens already in their KV cache). Must be pure and deterministic, > 0 for a
+    non-empty step.
+    """
+
+    name: str
+
+    def step_time(self, prefill: Sequence[tuple[int, int]], num_decode: int, decode_kv_tokens: int) -> float: ...

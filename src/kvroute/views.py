@@ -1,0 +1,85 @@
+"""Frozen views at the policy boundary.
+
+Policies see only these: a :class:`RequestView` (what is being routed, including how much of its
+prefix each instance already caches) and one :class:`InstanceView` per candidate instance (its load).
+They return a :class:`Decision`. Units: tokens are tokens, blocks are KV blocks of ``block_size``
+tokens, ``kv_usage`` is a fraction in [0, 1].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceView:
+    """Load of one instance as the router believes it now.
+
+    Invariants: all counts are >= 0; ``kv_usage`` in [0, 1].
+
+    - ``index``: the instance's id (stable position in the cluster, used for tie-breaks).
+    - ``running``: sequences in the engine's running batch.
+    - ``waiting``: requests queued (engine waiting queue plus routed-but-not-started ones).
+    - ``queued_prefill_tokens``: prefill tokens routed to this instance and not yet computed.
+    - ``kv_usage``: fraction of the KV block pool in use.
+    - ``kv_capacity_blocks``: size of the KV block pool, in blocks (0 if unknown).
+    - ``decode_blocks``: KV blocks held by running sequences (Dynamo's active decode blocks).
+    - ``tags``: free-form labels such as ``"spot"``; ``warming`` marks a cold-starting instance.
+    """
+
+    index: int
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    kv_usage: float = 0.0
+    kv_capacity_blocks: int = 0
+    decode_blocks: int = 0
+    tags: frozenset[str] = frozenset()
+    warming: bool = False
+
+    @property
+    def batch_size(self) -> int:
+        """BS in the LMetric paper: running + waiting requests."""
+        return self.running + self.waiting
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """The request being routed.
+
+    - ``prompt_tokens``: prompt length in tokens.
+    - ``cached_tokens``: per instance (same order as the instance list given to the policy), the
+      number of prompt tokens that instance already caches as a prefix (a multiple of the block
+      size, at most ``prompt_tokens``).
+    - ``num_blocks``: full KV blocks in the prompt (prompt_tokens // block_size).
+    - ``block_size``: tokens per KV block.
+    - ``max_tokens``: expected output tokens (0 if unknown).
+    - ``user``, ``req_class``: who sent it and its latency class (``"ttft"``, ``"tpot"``, or
+      ``"default"``).
+    - ``prefix_key``: id of the request's leading prefix class (0 if none), for hot-spot detection.
+    """
+
+    prompt_tokens: int
+    cached_tokens: tuple[int, ...]
+    num_blocks: int = 0
+    block_size: int = 16
+    max_tokens: int = 0
+    user: str | None = None
+    req_class: str = "default"
+    prefix_key: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A policy's choice and its reasons.
+
+    ``choice`` is a *position* in the instance list given to the policy (not ``InstanceView.index``).
+    ``scores`` holds one number per instance in that list, in the policy's own units and direction
+    (``lower_is_better`` says which); ``detail`` names the terms behind the score for logs.
+    """
+
+    choice: int
+    scores: tuple[float, ...]
+    policy: str
+    lower_is_better: bool = True
+    detail: dict[str, tuple[float, ...]] = field(default_factory=dict, compare=False)

@@ -20,7 +20,7 @@ test: $(STAMP)
 	$(BIN)/pytest
 
 bench: $(STAMP)
-	$(BIN)/python -m benchmarks.run_all
+	$(BIN)/python -m benchmarks.run_all $(ONLY)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

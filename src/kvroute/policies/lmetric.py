@@ -14,6 +14,7 @@ This sits on the request path, so ``choose`` avoids per-instance objects beyond 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import mul
 
 from kvroute.views import Decision, InstanceView, RequestView
 
@@ -39,33 +40,23 @@ class LMetric:
         if n == 0 or len(cached) != n:
             raise ValueError(f"need a non-empty instance list matching cached_tokens ({len(cached)} vs {n})")
         prompt = request.prompt_tokens
-        p_token = [prompt - c + inst.queued_prefill_tokens for c, inst in zip(cached, instances, strict=True)]
+        # Lengths were checked above, so strict zips would only cost time.
+        insts = instances
+        p_token = [prompt - c + inst.queued_prefill_tokens for c, inst in zip(cached, insts, strict=False)]
         bs = [inst.running + inst.waiting for inst in instances]
         w = self._w
         scores: list[float]
         if w is None:
-            scores = [p * (b + 1) for p, b in zip(p_token, bs, strict=True)]
+            scores = list(map(mul, p_token, [b + 1 for b in bs]))
         else:
-            scores = [p * (b + 1) ** w for p, b in zip(p_token, bs, strict=True)]
-        best = 0
-        best_s = scores[0]
-        best_b = bs[0]
-        best_idx = instances[0].index
-        for i in range(1, n):
-            s = scores[i]
-            if s > best_s:
-                continue
-            b = bs[i]
-            if s == best_s:
-                if b > best_b:
-                    continue
-                if b == best_b:
-                    idx = instances[i].index
-                    if idx >= best_idx:
-                        continue
-                    best, best_b, best_idx = i, b, idx
-                    continue
-            best, best_s, best_b, best_idx = i, s, b, instances[i].index
+            scores = [p * (b + 1) ** w for p, b in zip(p_token, bs, strict=False)]
+        best_s = min(scores)
+        best = scores.index(best_s)
+        if scores.count(best_s) > 1:  # rare: break ties by lower BS, then lower InstanceView.index
+            best = min(
+                (i for i in range(best, n) if scores[i] == best_s),
+                key=lambda i: (bs[i], instances[i].index),
+            )
         return Decision(
             choice=best,
             scores=tuple(scores),

@@ -13,9 +13,16 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 from kvroute.errors import UserError
+from kvroute.policies.aibrix import AibrixPrefixCache
+from kvroute.policies.bailian import BAILIAN_NORMALISATIONS, Bailian
 from kvroute.policies.base import Policy
+from kvroute.policies.dynamo import DynamoKv
+from kvroute.policies.linear import DEFAULT_LAMBDA, LinearCombo
+from kvroute.policies.llm_d import LlmD
 from kvroute.policies.lmetric import LMetric
+from kvroute.policies.sglang import SglangCacheAware
 from kvroute.policies.simple import LeastRequests, PowerOfTwo, RandomChoice, RoundRobin
+from kvroute.policies.vllm import VLLM_VARIANTS, VllmBalancer
 
 __all__ = ["DEFAULT_SEED", "POLICIES", "PolicyFactory", "make_policy", "policy_names"]
 
@@ -46,6 +53,27 @@ def _lmetric(param: str | None, rng: random.Random) -> Policy:
     return LMetric(bs_weight=_float_param("lmetric", param, 0.0, 16.0), name=f"lmetric:{param}")
 
 
+def _linear(param: str | None, rng: random.Random) -> Policy:
+    if param is None:  # the paper's best λ for chat workloads; ≈ 0.55 for API workloads
+        return LinearCombo(DEFAULT_LAMBDA, name="linear")
+    return LinearCombo(_float_param("linear", param, 0.0, 1.0), name=f"linear:{param}")
+
+
+def _choice_param(base: str, param: str | None, allowed: tuple[str, ...]) -> str:
+    value = allowed[0] if param is None else param
+    if value not in allowed:
+        raise UserError(f"policy {base!r}: parameter {param!r} must be one of {', '.join(allowed)}")
+    return value
+
+
+def _vllm(param: str | None, rng: random.Random) -> Policy:
+    return VllmBalancer(variant=_choice_param("vllm", param, VLLM_VARIANTS))
+
+
+def _bailian(param: str | None, rng: random.Random) -> Policy:
+    return Bailian(rng, normalise=_choice_param("bailian", param, BAILIAN_NORMALISATIONS))
+
+
 def _simple(cls: Callable[[], Policy], base: str) -> PolicyFactory:
     def factory(param: str | None, rng: random.Random) -> Policy:
         _no_param(base, param)
@@ -65,13 +93,25 @@ def _seeded(cls: Callable[[random.Random], Policy], base: str) -> PolicyFactory:
 POLICIES: Mapping[str, PolicyFactory] = MappingProxyType(
     {
         "lmetric": _lmetric,
+        "vllm": _vllm,
+        "llm-d": _simple(LlmD, "llm-d"),
+        "sglang": _simple(SglangCacheAware, "sglang"),
+        "dynamo": _simple(DynamoKv, "dynamo"),
+        "linear": _linear,
+        "bailian": _bailian,
+        "aibrix": _simple(AibrixPrefixCache, "aibrix"),
         "round-robin": _simple(RoundRobin, "round-robin"),
         "random": _seeded(RandomChoice, "random"),
         "p2c": _seeded(PowerOfTwo, "p2c"),
         "least-requests": _simple(LeastRequests, "least-requests"),
     }
 )
-"""Policy name → factory (read-only). ``lmetric:<w>`` sets the BS exponent w in [0, 16]."""
+"""Policy name → factory (read-only).
+
+Parameterised forms: ``lmetric:<w>`` (BS exponent w in [0, 16]), ``linear:<λ>`` (λ in [0, 1]; plain
+``linear`` is λ = 0.7), ``vllm:new`` (recent vLLM's KV-pressure-aware score; ``vllm`` = ``vllm:v1``),
+``bailian:minmax`` (blitz-router's min-max normalisation; ``bailian`` = ``bailian:max``).
+"""
 
 
 def policy_names() -> list[str]:

@@ -1,0 +1,202 @@
+"""KV block pool with prefix caching (vLLM v1's KVCacheManager, reduced to what routing needs).
+
+Accounting, in blocks of ``block_size`` tokens. Every block of the pool is in exactly one of:
+
+- *free*: holds nothing (``free``);
+- *private*: held by one request, not (yet) a cached full prompt block (``private``);
+- *cached*: a full prompt block known by its chained hash (``cached``), either referenced by
+  requests (refcount > 0) or *evictable* (refcount 0, kept in LRU order, reusable by a later
+  request with the same prefix until its space is needed).
+
+Invariant: ``free + private + len(cached) == num_blocks`` and refcounts are never negative.
+Only prompt blocks are hashed (output tokens stay in private blocks), as the simulator's
+workloads describe prompts by block ids; a later turn's prompt that repeats an earlier answer
+carries that answer as prompt blocks, which then are cached.
+
+Evictions and new cached blocks are recorded as KV events (``BlockStored``/``BlockRemoved``/
+``AllBlocksCleared``) in ``events`` for the owner to drain.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvroute.engine.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+
+class BlockPool:
+    """A fixed-capacity pool of KV blocks with prefix caching and LRU eviction.
+
+    Mutates only itself. Not thread-safe (one engine owns one pool).
+    """
+
+    __slots__ = (
+        "_evictable",
+        "block_size",
+        "cached",
+        "events",
+        "free",
+        "num_blocks",
+        "private",
+        "referenced",
+    )
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.free = num_blocks
+        self.private = 0
+        self.cached: dict[int, int] = {}  # hash -> refcount
+        self.referenced = 0  # cached blocks with refcount > 0
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # refcount-0 hashes, LRU first
+        self.events: list[KVEvent] = []
+
+    # -- queries -----------------------------------------------------------------------------
+    @property
+    def used(self) -> int:
+        """Blocks referenced by requests (private + referenced cached)."""
+        return self.private + self.referenced
+
+    @property
+    def available(self) -> int:
+        """Blocks an allocation may take: free plus evictable cached ones."""
+        return self.free + len(self._evictable)
+
+    def count_hits(self, hashes: Sequence[int], limit: int) -> tuple[int, int]:
+        """Length of the cached prefix of ``hashes`` (at most ``limit`` blocks), and how many of
+        those blocks are evictable now (they stop being available once referenced). No mutation."""
+        cached = self.cached
+        n = evictable = 0
+        for h in hashes:
+            if n >= limit:
+                break
+            ref = cached.get(h)
+            if ref is None:
+                break
+            if ref == 0:
+                evictable += 1
+            n += 1
+        return n, evictable
+
+    # -- mutations ---------------------------------------------------------------------------
+    def acquire(self, hashes: Sequence[int]) -> None:
+        """Reference cached blocks (a prefix hit). Each hash must be cached."""
+        cached, evictable = self.cached, self._evictable
+        for h in hashes:
+            ref = cached[h]
+            if ref == 0:
+                del evictable[h]
+                self.referenced += 1
+            cached[h] = ref + 1
+
+    def allocate(self, n: int) -> bool:
+        """Take ``n`` private blocks, evicting LRU cached blocks if needed. False (and no change)
+        if fewer than ``n`` are available."""
+        if n <= 0:
+            return True
+        if n > self.free + len(self._evictable):
+            return False
+        short = n - self.free
+        if short > 0:
+            removed = []
+            for _ in range(short):
+                h, _none = self._evictable.popitem(last=False)
+                del self.cached[h]
+                removed.append(h)
+            self.free += short
+            self.events.append(BlockRemoved(tuple(removed)))
+        self.free -= n
+        self.private += n
+        return True
+
+    def release(self, hashes: Sequence[int], private: int) -> None:
+        """Drop a request's references: its cached blocks (released leaf first, so that the tail
+        of a prefix is evicted before its head) and its ``private`` blocks."""
+        cached, evictable = self.cached, self._evictable
+        for h in reversed(hashes):
+            ref = cached[h] - 1
+            cached[h] = ref
+            if ref == 0:
+                evictable[h] = None
+                self.referenced -= 1
+        self.private -= private
+        self.free += private
+
+    def promote(
+        self,
+        hashes: Sequence[int],
+        parent: int | None,
+        token_ids: Sequence[int] | None,
+        first_block: int,
+        held: list[int],
+    ) -> None:
+        """A request just filled the full prompt blocks ``hashes`` (block numbers ``first_block``…,
+        ``parent`` the hash before them) with private blocks: cache them. A hash already cached
+        (another request computed the same block meanwhile) is referenced instead and the private
+        duplicate freed. Appends every hash to ``held``; records one ``BlockStored`` per
+        contiguous run of newly cached blocks."""
+        cached = self.cached
+        run: list[int] = []
+        run_start = first_block
+        for i, h in enumerate(hashes):
+            ref = cached.get(h)
+            if ref is None:
+                cached[h] = 1
+                self.referenced += 1
+                if not run:
+                    run_start = first_block + i
+                run.append(h)
+            else:
+                if run:
+                    self._stored(
+                        run,
+                        parent if run_start == first_block else hashes[run_start - first_block - 1],
+                        token_ids,
+                        run_start,
+                    )
+                    run = []
+                if ref == 0:
+                    del self._evictable[h]
+                    self.referenced += 1
+                cached[h] = ref + 1
+                self.free += 1
+            held.append(h)
+        if run:
+            self._stored(
+                run,
+                parent if run_start == first_block else hashes[run_start - first_block - 1],
+                token_ids,
+                run_start,
+            )
+        self.private -= len(hashes)
+
+    def _stored(
+        self, run: list[int], parent: int | None, token_ids: Sequence[int] | None, start: int
+    ) -> None:
+        bs = self.block_size
+        tokens: tuple[int, ...] = ()
+        if token_ids is not None and len(token_ids) >= (start + len(run)) * bs:
+            tokens = tuple(token_ids[start * bs : (start + len(run)) * bs])
+        self.events.append(BlockStored(tuple(run), parent, tokens, bs))
+
+    def clear(self) -> bool:
+        """Drop every evictable cached block (vLLM's prefix-cache reset). Refused (False) while any
+        cached block is referenced, as in vLLM."""
+        if self.referenced:
+            return False
+        self.free += len(self.cached)
+        self.cached.clear()
+        self._evictable.clear()
+        self.events.append(AllBlocksCleared())
+        return True
+
+    def check(self) -> None:
+        """Assert the pool's invariants (for tests)."""
+        assert self.free >= 0 and self.private >= 0
+        assert self.free + self.private + len(self.cached) == self.num_blocks
+        assert all(r >= 0 for r in self.cached.values())
+        assert self.referenced == sum(1 for r in self.cached.values() if r > 0)
+        assert set(self._evictable) == {h for h, r in self.cached.items() if r == 0}

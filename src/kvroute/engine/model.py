@@ -1,0 +1,388 @@
+"""EngineModel: one vLLM-v1-like instance as a clock-free state machine.
+
+The driver owns the clock (the simulator's event loop, or the emulator's wall clock) and passes
+times in seconds. The model:
+
+- keeps an FCFS waiting queue and a running batch bounded by ``max_num_seqs``;
+- schedules each step like vLLM v1: running requests first (one decode token, or the next prefill
+  chunk), then waiting requests while the token budget ``max_num_batched_tokens`` and the batch
+  limit allow (chunked prefill);
+- admits a request with a prefix-cache lookup in its ``BlockPool`` (full blocks only; at least one
+  prompt token is always computed, as in vLLM);
+- preempts by recompute (the last-admitted running request goes back to the front of the queue
+  and loses its KV) when a running request cannot get a block;
+- asks a ``CostModel`` how long each step takes; a step's outputs happen at its end.
+
+Speed: with ``report_tokens=False`` (the simulator) a run of pure-decode steps in which nothing
+can change the batch (no prefill, nothing admissible waiting, enough free blocks, no request
+finishing before the last step) is planned as one *stretch*: its step durations are summed in one
+go and its outputs appear at its end. A request arriving (or aborted) mid-stretch cuts the stretch
+at the first step boundary at or after that time, so the result is the same as stepping one step
+at a time (tested). ``stats()`` during a stretch reports block usage as of the stretch's start.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import deque
+from dataclasses import dataclass
+
+from kvroute.engine.kvcache import BlockPool
+from kvroute.engine.types import (
+    CostModel,
+    EngineConfig,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    KVEvent,
+    OutputKind,
+    ReqId,
+)
+
+
+class _Seq:
+    """Mutable per-request state. ``computed``: tokens in KV; ``out``: output tokens produced;
+    the request's known tokens are ``prompt_len + out``; it is decoding when ``computed`` is one
+    short of that, prefilling when further behind."""
+
+    __slots__ = ("cached_tokens", "computed", "held", "nblocks", "out", "req", "stepping")
+
+    def __init__(self, req: EngineRequest) -> None:
+        self.req = req
+        self.computed = 0
+        self.out = 0
+        self.held: list[int] = []  # cached block hashes referenced (a prefix of req.block_hashes)
+        self.nblocks = 0  # blocks held: len(held) + private
+        self.cached_tokens = 0
+        self.stepping = False  # part of the step in progress
+
+    @property
+    def known(self) -> int:
+        return self.req.prompt_len + self.out
+
+
+def _pending(seq: _Seq) -> int:
+    """Tokens ``seq`` still has to prefill (0 while decoding)."""
+    p = seq.known - seq.computed
+    return 0 if p == 1 and seq.out else p
+
+
+@dataclass(slots=True)
+class _Step:
+    """The step (or stretch of ``len(ends)`` identical-batch decode steps) in progress."""
+
+    start: float
+    ends: list[float]  # end time of each step; the step in progress ends at ends[-1]
+    work: list[tuple[_Seq, int]]  # (sequence, tokens computed in the first step)
+
+
+class EngineModel:
+    """One engine instance. All methods take the driver's time ``now`` in seconds where timing
+    matters; none reads a clock. Mutates only itself."""
+
+    def __init__(self, config: EngineConfig, cost: CostModel) -> None:
+        if config.max_num_seqs <= 0 or config.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        self.config = config
+        self.cost = cost
+        self.pool = BlockPool(config.num_kv_blocks, config.block_size)
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._seqs: dict[ReqId, _Seq] = {}
+        self._step: _Step | None = None
+        self._outputs: list[EngineOutput] = []
+        self._queued_prefill = 0  # tokens still to prefill over waiting + running
+        self._query_tokens = 0
+        self._hit_tokens = 0
+        self._preemptions = 0
+
+    # -- driver interface ---------------------------------------------------------------------
+    def add_request(self, req: EngineRequest, now: float) -> None:
+        """Queue a request arriving at ``now``. It joins the next step (now, if idle)."""
+        if req.req_id in self._seqs:
+            raise ValueError(f"duplicate request id {req.req_id!r}")
+        if req.prompt_len <= 0 or req.output_len <= 0:
+            raise ValueError("prompt_len and output_len must be positive")
+        if len(req.block_hashes) > req.prompt_len // self.config.block_size:
+            raise ValueError("more block hashes than full prompt blocks")
+        seq = _Seq(req)
+        bs = self.config.block_size
+        total = req.prompt_len + req.output_len
+        if total > self.config.max_model_len or -(-total // bs) > self.config.num_kv_blocks:
+            # can never run here (vLLM rejects it up front): report instead of queueing forever
+            self._outputs.append(EngineOutput(OutputKind.ABORTED, req.req_id, now))
+            return
+        self._seqs[req.req_id] = seq
+        self._waiting.append(seq)
+        self._queued_prefill += _pending(seq)
+        if self._step is None:
+            self._start_step(now)
+        else:
+            self._cut_stretch(now)
+
+    def abort(self, req_id: ReqId, now: float) -> bool:
+        """Remove a request (client gone) and free its blocks. False if unknown or finished."""
+        seq = self._seqs.get(req_id)
+        if seq is None:
+            return False
+        self._cut_stretch(now)
+        if seq in self._running:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq)
+        self._drop(seq)
+        self._outputs.append(EngineOutput(OutputKind.ABORTED, req_id, now, seq.out, seq.cached_tokens))
+        return True
+
+    def next_time(self) -> float | None:
+        """When the step in progress ends (the next time ``advance`` does something), or None
+        when the engine is idle."""
+        return self._step.ends[-1] if self._step is not None else None
+
+    def advance(self, now: float) -> list[EngineOutput]:
+        """Complete every step ending at or before ``now`` (starting the next one back to back)
+        and return the outputs produced, in time order."""
+        while self._step is not None and self._step.ends[-1] <= now:
+            step = self._step
+            self._step = None
+            self._complete(step)
+            if self._waiting or self._running:
+                self._start_step(step.ends[-1])
+        out, self._outputs = self._outputs, []
+        return out
+
+    def take_events(self) -> list[KVEvent]:
+        """KV events recorded since the last call, oldest first."""
+        ev, self.pool.events = self.pool.events, []
+        return ev
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache (emits ``AllBlocksCleared``); refused while blocks are in use."""
+        return self.pool.clear()
+
+    def stats(self) -> EngineStats:
+        pool = self.pool
+        return EngineStats(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            num_kv_blocks=pool.num_blocks,
+            used_blocks=pool.used,
+            cached_blocks=len(pool.cached),
+            kv_usage=pool.used / pool.num_blocks,
+            queued_prefill_tokens=self._queued_prefill,
+            prefix_query_tokens=self._query_tokens,
+            prefix_hit_tokens=self._hit_tokens,
+            preemptions=self._preemptions,
+        )
+
+    @property
+    def idle(self) -> bool:
+        return self._step is None and not self._waiting and not self._running
+
+    # -- scheduling ---------------------------------------------------------------------------
+    def _start_step(self, now: float) -> None:
+        work, preempted = self._schedule(now)
+        if not work:
+            return  # nothing schedulable (cannot happen with a consistent pool; defensive)
+        prefill: list[tuple[int, int]] = []
+        num_decode = 0
+        decode_kv = 0
+        for seq, n in work:
+            if seq.out and seq.known - seq.computed == 1:
+                num_decode += 1
+                decode_kv += seq.computed
+            else:
+                prefill.append((n, seq.computed))
+        end = now + self.cost.step_time(prefill, num_decode, decode_kv)
+        step = _Step(now, [end], work)
+        if not prefill and not preempted and not self.config.report_tokens:
+            self._plan_stretch(step, num_decode, decode_kv)
+        self._step = step
+
+    def _schedule(self, now: float) -> tuple[list[tuple[_Seq, int]], bool]:
+        """Pick this step's work: running first, then waiting (vLLM v1 order)."""
+        cfg, pool, bs = self.config, self.pool, self.config.block_size
+        budget = cfg.max_num_batched_tokens
+        work: list[tuple[_Seq, int]] = []
+        running = self._running
+        preempted = False
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            n = min(seq.known - seq.computed, budget)
+            need = -(-(seq.computed + n) // bs) - seq.nblocks
+            while not pool.allocate(need):
+                victim = running.pop()
+                self._preempt(victim, now)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                seq.nblocks += max(need, 0)
+                seq.stepping = True
+                work.append((seq, n))
+                budget -= n
+                i += 1
+                continue
+            break
+        if preempted:
+            return work, True
+        waiting = self._waiting
+        while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+            seq = waiting[0]
+            req = seq.req
+            hashes = req.block_hashes
+            limit = (seq.known - 1) // bs  # always compute at least one token
+            hit, hit_evictable = (
+                pool.count_hits(hashes, limit) if cfg.enable_prefix_caching and hashes else (0, 0)
+            )
+            computed = hit * bs
+            n = min(seq.known - computed, budget)
+            need = -(-(computed + n) // bs) - hit
+            if need > pool.available - hit_evictable:
+                break
+            waiting.popleft()
+            self._queued_prefill -= _pending(seq)
+            pool.acquire(hashes[:hit])
+            pool.allocate(need)
+            seq.held = list(hashes[:hit])
+            seq.nblocks = hit + need
+            seq.computed = computed
+            seq.cached_tokens = computed
+            if seq.out == 0:
+                self._query_tokens += req.prompt_len
+                self._hit_tokens += computed
+            self._queued_prefill += _pending(seq)
+            seq.stepping = True
+            running.append(seq)
+            work.append((seq, n))
+            budget -= n
+        return work, False
+
+    def _plan_stretch(self, step: _Step, num_decode: int, decode_kv: int) -> None:
+        """Extend a pure-decode step into a stretch of identical-batch steps (see module doc)."""
+        if self._waiting and self._admissible():
+            return
+        bs = self.pool.block_size
+        k = min(seq.req.output_len - seq.out for seq, _ in step.work)
+        if k < 2:
+            return
+        free = self.pool.free
+
+        def blocks_for(steps: int) -> int:  # blocks needed beyond those held, after `steps` steps
+            return sum(max(-(-(seq.computed + steps) // bs) - seq.nblocks, 0) for seq, _ in step.work)
+
+        if blocks_for(k) > free:
+            lo, hi = 1, k  # largest steps with blocks_for(steps) <= free; blocks_for(1) == 0
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if blocks_for(mid) <= free:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            k = lo
+        if k < 2:
+            return
+        step_time = self.cost.step_time
+        ends = step.ends
+        t = ends[0]
+        for j in range(1, k):
+            t += step_time((), num_decode, decode_kv + j * num_decode)
+            ends.append(t)
+
+    def _admissible(self) -> bool:
+        """Whether the head of the waiting queue could be admitted in the next step."""
+        if len(self._running) >= self.config.max_num_seqs:
+            return False
+        seq, pool, bs = self._waiting[0], self.pool, self.pool.block_size
+        limit = (seq.known - 1) // bs
+        hit, hit_evictable = pool.count_hits(seq.req.block_hashes, limit) if seq.req.block_hashes else (0, 0)
+        budget = self.config.max_num_batched_tokens - len(self._running)
+        if budget <= 0:
+            return False
+        n = min(seq.known - hit * bs, budget)
+        need = -(-(hit * bs + n) // bs) - hit
+        return need <= pool.available - hit_evictable
+
+    def _cut_stretch(self, now: float) -> None:
+        """Shorten the stretch in progress so that it ends at the first step boundary >= now."""
+        step = self._step
+        if step is None or len(step.ends) == 1:
+            return
+        j = bisect_left(step.ends, now)
+        if j < len(step.ends) - 1:
+            del step.ends[j + 1 :]
+
+    # -- completion ---------------------------------------------------------------------------
+    def _complete(self, step: _Step) -> None:
+        steps = len(step.ends)
+        t = step.ends[-1]
+        pool, bs = self.pool, self.pool.block_size
+        outputs = self._outputs
+        report = self.config.report_tokens
+        finished: list[_Seq] = []
+        for seq, n in step.work:
+            if not seq.stepping:
+                continue  # aborted or preempted meanwhile
+            seq.stepping = False
+            if steps > 1:  # a decode stretch: allocate the blocks its later steps used
+                n = steps
+                need = -(-(seq.computed + n) // bs) - seq.nblocks
+                if need > 0:
+                    pool.allocate(need)
+                    seq.nblocks += need
+            pending = _pending(seq)
+            before = seq.computed
+            seq.computed = before + n
+            hashes = seq.req.block_hashes
+            if pending:
+                self._queued_prefill -= pending
+                if len(seq.held) < len(hashes):
+                    full = min(seq.computed // bs, len(hashes))
+                    first = len(seq.held)
+                    if full > first:
+                        parent = seq.held[-1] if seq.held else None
+                        pool.promote(hashes[first:full], parent, seq.req.token_ids, first, seq.held)
+            if seq.computed < seq.known:
+                self._queued_prefill += _pending(seq)
+                continue  # prefill chunk done, prompt not complete
+            if seq.out == 0:
+                seq.out = 1
+                outputs.append(EngineOutput(OutputKind.FIRST_TOKEN, seq.req.req_id, t, 1, seq.cached_tokens))
+            else:
+                seq.out += n if steps > 1 else 1
+                if report:
+                    outputs.append(
+                        EngineOutput(OutputKind.TOKEN, seq.req.req_id, t, seq.out, seq.cached_tokens)
+                    )
+            if seq.out >= seq.req.output_len:
+                finished.append(seq)
+        for seq in finished:
+            self._running.remove(seq)
+            self._drop(seq)
+            outputs.append(EngineOutput(OutputKind.FINISHED, seq.req.req_id, t, seq.out, seq.cached_tokens))
+
+    def _preempt(self, seq: _Seq, now: float) -> None:
+        """Recompute preemption: free everything, requeue at the front; the prompt and the output
+        so far must be prefilled again."""
+        self._preemptions += 1
+        self._queued_prefill -= _pending(seq)
+        self.pool.release(seq.held, seq.nblocks - len(seq.held))
+        seq.held = []
+        seq.nblocks = 0
+        seq.computed = 0
+        seq.stepping = False
+        self._queued_prefill += _pending(seq)
+        self._waiting.appendleft(seq)
+        self._outputs.append(
+            EngineOutput(OutputKind.PREEMPTED, seq.req.req_id, now, seq.out, seq.cached_tokens)
+        )
+
+    def _drop(self, seq: _Seq) -> None:
+        """Forget a finished or aborted request and free its blocks."""
+        self._queued_prefill -= _pending(seq)
+        self.pool.release(seq.held, seq.nblocks - len(seq.held))
+        seq.held = []
+        seq.nblocks = 0
+        seq.stepping = False
+        del self._seqs[seq.req.req_id]

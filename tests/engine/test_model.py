@@ -1,0 +1,213 @@
+"""EngineModel: scheduling, prefix caching, preemption, stretches == stepping."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvroute.engine.model import EngineModel
+from kvroute.engine.types import (
+    BlockRemoved,
+    BlockStored,
+    EngineConfig,
+    EngineOutput,
+    EngineRequest,
+    OutputKind,
+)
+
+
+class AffineCost:
+    """Test cost model: 10 ms per step + 0.1 ms per prefill token + 0.01 ms per decode sequence +
+    1 µs per 1,000 decode context tokens (all in seconds)."""
+
+    name = "test-affine"
+
+    def step_time(self, prefill: Sequence[tuple[int, int]], num_decode: int, decode_kv_tokens: int) -> float:
+        return 0.010 + 1e-4 * sum(c for c, _ in prefill) + 1e-5 * num_decode + 1e-9 * decode_kv_tokens
+
+
+def make_req(rid: int, prompt: int, out: int, prefix: tuple[int, ...] = (), bs: int = 16) -> EngineRequest:
+    nblocks = prompt // bs
+    hashes = prefix[:nblocks] + tuple(10_000_000 + rid * 1000 + i for i in range(len(prefix), nblocks))
+    return EngineRequest(rid, prompt, out, hashes)
+
+
+def drive(engine: EngineModel, arrivals: list[tuple[float, EngineRequest]]) -> list[EngineOutput]:
+    """Minimal driver: arrivals at or before the next step end go first (the simulator's rule)."""
+    outs: list[EngineOutput] = []
+    pending = sorted(arrivals, key=lambda a: a[0])
+    i = 0
+    while i < len(pending) or not engine.idle:
+        nt = engine.next_time()
+        if i < len(pending) and (nt is None or pending[i][0] <= nt):
+            t, req = pending[i]
+            outs += engine.advance(t)
+            engine.add_request(req, t)
+            i += 1
+        else:
+            assert nt is not None
+            outs += engine.advance(nt)
+    return outs
+
+
+def test_single_request_timing() -> None:
+    eng = EngineModel(EngineConfig(num_kv_blocks=100), AffineCost())
+    outs = drive(eng, [(1.0, make_req(1, 160, 4))])
+    kinds = [(o.kind, round(o.time, 9)) for o in outs]
+    prefill = 0.010 + 1e-4 * 160
+    first = 1.0 + prefill
+    # three decode steps, contexts 160, 161, 162 tokens
+    d = [0.010 + 1e-5 + 1e-9 * c for c in (160, 161, 162)]
+    assert kinds == [
+        (OutputKind.FIRST_TOKEN, round(first, 9)),
+        (OutputKind.FINISHED, round(first + sum(d), 9)),
+    ]
+    assert eng.stats().used_blocks == 0
+    assert eng.stats().cached_blocks == 10  # prompt blocks stay cached (evictable)
+    eng.pool.check()
+
+
+def test_chunked_prefill_respects_token_budget() -> None:
+    eng = EngineModel(EngineConfig(num_kv_blocks=1000, max_num_batched_tokens=512), AffineCost())
+    eng.add_request(make_req(1, 1200, 2), 0.0)
+    # 1200 tokens need chunks of 512, 512, 176
+    t1 = eng.next_time()
+    assert t1 == pytest.approx(0.010 + 1e-4 * 512)
+    assert eng.advance(t1) == []
+    assert eng.stats().queued_prefill_tokens == 1200 - 512
+    t2 = eng.next_time()
+    assert t2 is not None
+    eng.advance(t2)
+    t3 = eng.next_time()
+    assert t3 is not None
+    out = eng.advance(t3)
+    assert [o.kind for o in out] == [OutputKind.FIRST_TOKEN]
+    assert t3 - t2 == pytest.approx(0.010 + 1e-4 * 176)
+    assert eng.stats().queued_prefill_tokens == 0
+
+
+def test_prefix_cache_hit_is_reported_and_speeds_up_prefill() -> None:
+    eng = EngineModel(EngineConfig(num_kv_blocks=1000), AffineCost())
+    shared = tuple(range(1, 41))  # 40 blocks = 640 tokens
+    outs = drive(eng, [(0.0, make_req(1, 700, 2, shared)), (5.0, make_req(2, 700, 2, shared))])
+    first = {o.req_id: o for o in outs if o.kind is OutputKind.FIRST_TOKEN}
+    assert first[1].num_cached_tokens == 0
+    assert first[2].num_cached_tokens == 640
+    assert first[2].time - 5.0 == pytest.approx(0.010 + 1e-4 * 60)
+    st_ = eng.stats()
+    assert st_.prefix_query_tokens == 1400 and st_.prefix_hit_tokens == 640
+
+
+def test_full_hit_still_computes_last_token() -> None:
+    eng = EngineModel(EngineConfig(num_kv_blocks=100), AffineCost())
+    p = tuple(range(1, 11))
+    outs = drive(eng, [(0.0, make_req(1, 160, 2, p)), (5.0, make_req(2, 160, 2, p))])
+    second = next(o for o in outs if o.req_id == 2 and o.kind is OutputKind.FIRST_TOKEN)
+    assert second.num_cached_tokens == 144  # last block recomputed: at least one token computed
+
+
+def test_kv_events_describe_the_cache() -> None:
+    eng = EngineModel(EngineConfig(num_kv_blocks=12), AffineCost())
+    drive(eng, [(0.0, make_req(1, 160, 2)), (1.0, make_req(2, 160, 2))])
+    held: set[int] = set()
+    for ev in eng.take_events():
+        if isinstance(ev, BlockStored):
+            held |= set(ev.block_hashes)
+        elif isinstance(ev, BlockRemoved):
+            held -= set(ev.block_hashes)
+    assert held == set(eng.pool.cached)
+    assert len(held) <= 12
+
+
+def test_preemption_when_blocks_run_out_and_everything_finishes() -> None:
+    cfg = EngineConfig(num_kv_blocks=30, max_num_batched_tokens=4096)
+    eng = EngineModel(cfg, AffineCost())
+    arrivals = [(0.0, make_req(i, 160, 100)) for i in range(4)]  # 4 × (10 + 7) blocks > 30
+    outs = drive(eng, arrivals)
+    finished = {o.req_id for o in outs if o.kind is OutputKind.FINISHED}
+    assert finished == {0, 1, 2, 3}
+    assert eng.stats().preemptions > 0
+    assert any(o.kind is OutputKind.PREEMPTED for o in outs)
+    assert eng.stats().used_blocks == 0 and eng.stats().queued_prefill_tokens == 0
+    eng.pool.check()
+
+
+def test_request_that_can_never_fit_is_aborted_not_queued_forever() -> None:
+    eng = EngineModel(EngineConfig(num_kv_blocks=5), AffineCost())
+    eng.add_request(make_req(1, 160, 10), 0.0)
+    out = eng.advance(0.0)
+    assert [o.kind for o in out] == [OutputKind.ABORTED]
+    assert eng.idle
+
+
+def test_abort_frees_blocks() -> None:
+    eng = EngineModel(EngineConfig(num_kv_blocks=100), AffineCost())
+    eng.add_request(make_req(1, 320, 1000), 0.0)
+    t = eng.next_time()
+    assert t is not None
+    eng.advance(t)
+    assert eng.stats().running == 1 and eng.stats().used_blocks > 0
+    assert eng.abort(1, t + 0.05)
+    assert eng.stats().running == 0 and eng.stats().used_blocks == 0
+    assert not eng.abort(1, t + 0.06)
+    eng.pool.check()
+
+
+def _random_arrivals(rng: random.Random, n: int, shared: int) -> list[tuple[float, EngineRequest]]:
+    prefixes = [tuple(range(p * 100 + 1, p * 100 + 60)) for p in range(shared)]
+    arr, t = [], 0.0
+    for i in range(n):
+        t += rng.expovariate(20.0)
+        arr.append((t, make_req(i, rng.randint(20, 900), rng.randint(1, 300), rng.choice(prefixes))))
+    return arr
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), blocks=st.sampled_from([60, 200, 5000]))
+def test_stretches_give_exactly_the_stepping_result(seed: int, blocks: int) -> None:
+    arrivals = _random_arrivals(random.Random(seed), 40, 3)
+    cfg = EngineConfig(num_kv_blocks=blocks, max_num_seqs=8, max_num_batched_tokens=512)
+    fast = EngineModel(cfg, AffineCost())
+    slow = EngineModel(replace(cfg, report_tokens=True), AffineCost())
+    a = [(o.kind, o.req_id, o.time, o.num_cached_tokens) for o in drive(fast, arrivals)]
+    b = [
+        (o.kind, o.req_id, o.time, o.num_cached_tokens)
+        for o in drive(slow, arrivals)
+        if o.kind is not OutputKind.TOKEN
+    ]
+    assert a == b
+    assert fast.take_events() == slow.take_events()
+    assert fast.stats() == slow.stats()
+    fast.pool.check()
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_counters_return_to_idle_under_aborts(seed: int) -> None:
+    rng = random.Random(seed)
+    eng = EngineModel(
+        EngineConfig(num_kv_blocks=80, max_num_seqs=6, max_num_batched_tokens=256), AffineCost()
+    )
+    arrivals = _random_arrivals(rng, 25, 2)
+    live: list[int] = []
+    for t, req in arrivals:
+        eng.advance(t)
+        eng.add_request(req, t)
+        live.append(int(req.req_id))
+        if rng.random() < 0.3:
+            eng.abort(live.pop(rng.randrange(len(live))), t)
+        eng.pool.check()
+        s = eng.stats()
+        assert s.queued_prefill_tokens >= 0
+    while not eng.idle:
+        nt = eng.next_time()
+        assert nt is not None
+        eng.advance(nt)
+    s = eng.stats()
+    assert (s.running, s.waiting, s.used_blocks, s.queued_prefill_tokens) == (0, 0, 0, 0)
+    eng.pool.check()

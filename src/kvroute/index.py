@@ -198,7 +198,8 @@ class ApproxPrefixIndex:
     def assign(self, instance: int, chain: Sequence[int], now: float) -> None:
         """``instance`` was just given ``chain`` (root first) at time ``now``: it now holds those
         blocks, most recently used; then its least recently used blocks beyond capacity are evicted
-        (leaf-most first within a chain). Expires nothing else; call ``expire`` for TTL."""
+        (leaf-most first within a chain). Blocks of a chain are distinct (chained hashes are); only its
+        root-most ``capacity`` blocks are touched. Expires nothing else; call ``expire`` for TTL."""
         bit = _check_instance(instance)
         self._tick(now)
         lru = self._lru.get(instance)

@@ -1,0 +1,203 @@
+"""Prometheus metrics with vLLM's names, in a registry owned by one emulated engine.
+
+State gauges and prefix-cache counters are read from :meth:`EngineModel.stats` at scrape time;
+latency histograms are observed as outputs arrive. Latencies are in **model seconds** (what the
+emulated GPU took: wall seconds × time scale), so a scrape at any ``--time-scale`` reads like a real
+engine's. Every series carries the label ``model_name``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvroute.engine.types import EngineStats
+
+__all__ = ["CONTENT_TYPE", "EngineMetrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's bucket boundaries (seconds)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+
+
+class _StatsCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self._stats = stats
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        lbl = ["model_name"]
+        val = [self._model]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=lbl)
+            g.add_metric(val, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=lbl)
+            c.add_metric(val, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", s.running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_usage)
+        yield gauge(
+            "vllm:gpu_cache_usage_perc", "GPU KV-cache usage (older name). 1 means 100 percent.", s.kv_usage
+        )
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            s.prefix_query_tokens,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            s.prefix_hit_tokens,
+        )
+        yield counter(
+            "vllm:num_preemptions", "Cumulative number of preemptions from the engine.", s.preemptions
+        )
+
+
+class EngineMetrics:
+    """One engine's metrics. ``observe_*`` take **model seconds**; mutates only its registry."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_StatsCollector(stats, model_name))
+        lbl = ["model_name"]
+        r = self.registry
+        self._ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            lbl,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self._itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            lbl,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self._tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds (older name of the inter-token latency).",
+            lbl,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self._e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of end to end request latency in seconds.",
+            lbl,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self._prompt = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", lbl, registry=r
+        ).labels(model_name)
+        self._gen = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", lbl, registry=r
+        ).labels(model_name)
+        self._success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self._model = model_name
+
+    def observe_first_token(self, ttft_s: float, prompt_tokens: int) -> None:
+        self._ttft.observe(ttft_s)
+        self._prompt.inc(prompt_tokens)
+        self._gen.inc()
+
+    def observe_tokens(self, gap_s: float, count: int) -> None:
+        """``count`` more output tokens, ``gap_s`` model seconds apart on average."""
+        for _ in range(count):
+            self._itl.observe(gap_s)
+            self._tpot.observe(gap_s)
+        self._gen.inc(count)
+
+    def observe_finished(self, e2e_s: float, reason: str = "length") -> None:
+        self._e2e.observe(e2e_s)
+        self._success.labels(self._model, reason).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

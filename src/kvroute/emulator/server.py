@@ -1,0 +1,354 @@
+"""The emulated vLLM-compatible engine server (aiohttp): one EngineModel under the wall clock.
+
+Endpoints (as vLLM's OpenAI server has them): ``GET /v1/models``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (``stream`` with SSE ``data: {...}`` lines and ``data: [DONE]``,
+``stream_options.include_usage``), ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
+``GET /version``, ``GET /metrics`` (Prometheus text, vLLM's names).
+
+Generation: a request generates exactly ``max_tokens`` tokens (as with ``ignore_eos``; a real model
+would also stop at EOS, the filler text has none), one per modelled decode step; the tokens are a
+fixed cycle of common English words, decoded by the tokenizer. ``finish_reason`` is ``"length"``.
+``usage.prompt_tokens_details.cached_tokens`` is the model's prefix-cache hit at admission.
+
+A client that disconnects aborts its request: the handler is cancelled (``handler_cancellation``)
+or its write fails, and the request's blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+import kvroute
+from kvroute.blocks import hash_blocks
+from kvroute.emulator.driver import EngineDriver
+from kvroute.emulator.metrics import CONTENT_TYPE, EngineMetrics
+from kvroute.emulator.protocol import (
+    ApiError,
+    GenerateRequest,
+    bad,
+    check_model,
+    chunk,
+    full_response,
+    parse_chat,
+    parse_completion,
+    parse_messages,
+    usage,
+    usage_chunk,
+)
+from kvroute.emulator.publisher import KVEventPublisher
+from kvroute.engine.model import EngineModel
+from kvroute.engine.types import CostModel, EngineConfig, EngineOutput, EngineRequest, OutputKind
+from kvroute.kvevents import EventFormat
+from kvroute.tokenizer import Tokenizer
+
+__all__ = ["FILLER_WORDS", "EmulatorServer", "EmulatorSettings", "KVEventsSettings"]
+
+FILLER_WORDS = (
+    *("the", "of", "and", "to", "in", "is", "that", "it", "for", "on", "with", "as", "was", "by", "at"),
+    *("from", "this", "be", "are", "or", "an", "have", "not", "but", "which", "one", "all", "were", "they"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsSettings:
+    """Where and how KV events are published (see :mod:`kvroute.emulator.publisher`)."""
+
+    endpoint: str
+    fmt: EventFormat = "array"
+    topic: str = ""
+    replay_endpoint: str | None = None
+    connect: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EmulatorSettings:
+    """One emulated engine.
+
+    - ``time_scale``: model seconds per wall second (10 = ten times faster than real time).
+    - ``default_max_tokens``: output length of a chat request that sets no ``max_tokens``
+      (vLLM would fill the context and stop at EOS; the filler has no EOS). Completions default to 16
+      as in vLLM.
+    - ``engine.max_model_len``: longest prompt + output, in tokens.
+    """
+
+    model_name: str = "kvroute-emulated"
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(report_tokens=True))
+    time_scale: float = 1.0
+    default_max_tokens: int = 256
+    kv_events: KVEventsSettings | None = None
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+class EmulatorServer:
+    """An aiohttp app around one engine model. ``await start(host, port)`` (port 0: any free one;
+    the bound port is then in ``port``), ``await stop()``. ``model``/``driver`` are exposed for
+    tests and tools; mutate them only from the loop's thread."""
+
+    def __init__(self, settings: EmulatorSettings, cost: CostModel, tokenizer: Tokenizer) -> None:
+        engine = settings.engine
+        if not engine.report_tokens:
+            engine = replace(engine, report_tokens=True)
+        self.settings = settings
+        self.engine_config = engine
+        self.tokenizer = tokenizer
+        self.model = EngineModel(engine, cost)
+        self.metrics = EngineMetrics(settings.model_name, self.model.stats)
+        self.publisher: KVEventPublisher | None = None
+        if settings.kv_events is not None:
+            kv = settings.kv_events
+            self.publisher = KVEventPublisher(
+                kv.endpoint,
+                fmt=kv.fmt,
+                topic=kv.topic,
+                replay_endpoint=kv.replay_endpoint,
+                connect=kv.connect,
+            )
+        pub = self.publisher
+        self.driver = EngineDriver(
+            self.model,
+            settings.time_scale,
+            metrics=self.metrics,
+            publish=(lambda events: pub.publish(events)) if pub is not None else None,
+        )
+        self._filler = [tokenizer.encode(" " + w)[0] for w in FILLER_WORDS]
+        self._filler_text = [tokenizer.decode([t]) for t in self._filler]
+        self._created = int(time.time())
+        self.app = self._build_app()
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def _build_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Open the KV event sockets, start the model's clock and listen. Returns the bound port."""
+        if self.publisher is not None:
+            self.publisher.start()
+        self.driver.start()
+        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        self._runner = runner
+        addrs = runner.addresses
+        self.port = int(addrs[0][1]) if addrs else port
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop listening, stop the clock, close the KV event sockets."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await self.driver.stop()
+        if self.publisher is not None:
+            await self.publisher.close()
+
+    # -- simple endpoints ----------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": kvroute.__version__, "server": "kvroute-emulator"})
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def models(self, request: web.Request) -> web.Response:
+        name = self.settings.model_name
+        card = {
+            "id": name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "vllm",
+            "root": name,
+            "parent": None,
+            "max_model_len": self.engine_config.max_model_len,
+            "permission": [],
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json(request)
+            if not isinstance(body, dict):
+                raise bad("request body must be a JSON object")
+            check_model(body, self.settings.model_name)
+            tok = self.tokenizer
+            if "messages" in body:
+                msgs = parse_messages(body.get("messages"))
+                gen = body.get("add_generation_prompt", True)
+                if not isinstance(gen, bool):
+                    raise bad("'add_generation_prompt' must be a boolean", "add_generation_prompt")
+                ids = tok.encode_chat(msgs, add_generation_prompt=gen)
+            else:
+                prompt = body.get("prompt")
+                if not isinstance(prompt, str):
+                    raise bad("'prompt' (a string) or 'messages' is required", "prompt")
+                ids = tok.encode(prompt)
+            result: dict[str, Any] = {
+                "count": len(ids),
+                "max_model_len": self.engine_config.max_model_len,
+                "tokens": ids,
+                "token_strs": None,
+            }
+            if body.get("return_token_strs"):
+                result["token_strs"] = [tok.decode([i]) for i in ids]
+            return web.json_response(result)
+        except ApiError as exc:
+            return web.json_response(exc.body(), status=exc.status)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json(request)
+            if not isinstance(body, dict):
+                raise bad("request body must be a JSON object")
+            check_model(body, self.settings.model_name)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or any(
+                isinstance(t, bool) or not isinstance(t, int) for t in tokens
+            ):
+                raise bad("'tokens' must be an array of integers", "tokens")
+            try:
+                text = self.tokenizer.decode(tokens)
+            except ValueError as exc:
+                raise bad(str(exc), "tokens") from None
+            return web.json_response({"prompt": text})
+        except ApiError as exc:
+            return web.json_response(exc.body(), status=exc.status)
+
+    # -- generation ----------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._json(request)
+            req = parse_completion(
+                body, self.tokenizer, self.settings.model_name, self.engine_config.max_model_len
+            )
+        except ApiError as exc:
+            return web.json_response(exc.body(), status=exc.status)
+        return await self._generate(request, req, f"cmpl-{uuid.uuid4().hex}")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._json(request)
+            req = parse_chat(
+                body,
+                self.tokenizer,
+                self.settings.model_name,
+                self.engine_config.max_model_len,
+                self.settings.default_max_tokens,
+            )
+        except ApiError as exc:
+            return web.json_response(exc.body(), status=exc.status)
+        return await self._generate(request, req, f"chatcmpl-{uuid.uuid4().hex}")
+
+    async def _json(self, request: web.Request) -> Any:
+        raw = await request.read()
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise bad(f"Invalid JSON in request body: {exc}") from None
+
+    def _engine_request(self, rid: str, req: GenerateRequest) -> EngineRequest:
+        bs = self.engine_config.block_size
+        hashes = hash_blocks(req.prompt_ids, bs) if self.engine_config.enable_prefix_caching else []
+        return EngineRequest(rid, len(req.prompt_ids), req.max_tokens, tuple(hashes), req.prompt_ids)
+
+    def _filler_ids(self, start: int, stop: int) -> list[int]:
+        f = self._filler
+        return [f[i % len(f)] for i in range(start, stop)]
+
+    async def _outputs(self, rid: str, req: GenerateRequest) -> AsyncGenerator[tuple[int, int, bool], None]:
+        """Submit the request and yield ``(tokens so far, cached prompt tokens, finished)`` per output
+        that adds tokens. Aborts the request if the consumer stops early (disconnect, cancel)."""
+        queue = self.driver.submit(self._engine_request(rid, req))
+        finished = False
+        try:
+            cached = 0
+            while True:
+                out: EngineOutput = await queue.get()
+                if out.kind is OutputKind.ABORTED:
+                    raise ApiError(500, "the request was aborted by the engine")
+                if out.kind is OutputKind.PREEMPTED:
+                    continue
+                if out.kind is OutputKind.FIRST_TOKEN:
+                    cached = out.num_cached_tokens
+                finished = out.kind is OutputKind.FINISHED
+                yield out.num_output_tokens, cached, finished
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.driver.abort(rid)
+
+    async def _generate(self, request: web.Request, req: GenerateRequest, rid: str) -> web.StreamResponse:
+        if req.stream:
+            return await self._stream(request, req, rid)
+        created = int(time.time())
+        n, cached = 0, 0
+        gen = self._outputs(rid, req)
+        try:
+            async for progress in gen:
+                n, cached = progress[0], progress[1]
+        except ApiError as exc:
+            return web.json_response(exc.body(), status=exc.status)
+        finally:
+            await gen.aclose()
+        text = self.tokenizer.decode(self._filler_ids(0, n))
+        body = full_response(req, rid, created, text, "length", usage(len(req.prompt_ids), n, cached))
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    async def _stream(self, request: web.Request, req: GenerateRequest, rid: str) -> web.StreamResponse:
+        created = int(time.time())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        gen = self._outputs(rid, req)
+        sent, cached = 0, 0
+        try:
+            if req.kind == "chat":
+                await resp.write(_sse(chunk(req, rid, created, None, None, first=True)))
+            async for n, cached_now, _finished in gen:
+                cached = cached_now
+                for i in range(sent, n):
+                    text = self._filler_text[i % len(self._filler)]
+                    last = i == req.max_tokens - 1  # exactly max_tokens are generated
+                    await resp.write(_sse(chunk(req, rid, created, text, "length" if last else None)))
+                sent = n
+            if req.include_usage:
+                await resp.write(
+                    _sse(usage_chunk(req, rid, created, usage(len(req.prompt_ids), sent, cached)))
+                )
+            await resp.write(b"data: [DONE]\n\n")
+        except ApiError as exc:
+            with contextlib.suppress(ConnectionError):
+                await resp.write(_sse(exc.body()))
+                await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionError, asyncio.CancelledError):
+            await gen.aclose()  # aborts the request and frees its blocks
+            raise
+        finally:
+            await gen.aclose()
+        with contextlib.suppress(ConnectionError):
+            await resp.write_eof()
+        return resp

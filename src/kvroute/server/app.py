@@ -1,0 +1,164 @@
+"""The router server: aiohttp app wiring, lifecycle, /v1/models, /health, /metrics.
+
+:class:`RouterServer` is what ``kvroute serve``/``kvroute up`` and the tests run: ``await start()``
+binds the port (0 → a free one) and starts the background loops; ``await stop()`` undoes all of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import orjson
+import zmq.asyncio
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from kvroute.policies.registry import make_policy
+from kvroute.server.config import RouterConfig
+from kvroute.server.events import EventSubscriber
+from kvroute.server.exporter import RouterCollector, render_metrics
+from kvroute.server.monitor import Monitor
+from kvroute.server.proxy import Proxy, error_response
+from kvroute.server.router import RouterCore
+from kvroute.server.tokenize import RequestTokenizer
+from kvroute.server.transport import AiohttpTransport, Transport, UpstreamError
+from kvroute.server.validate import ApiError
+from kvroute.tokenizer import Tokenizer, load_tokenizer
+
+__all__ = ["RouterServer"]
+
+log = logging.getLogger("kvroute.server")
+
+
+class RouterServer:
+    """One router: config → app, loops, subscribers. ``transport``/``tokenizer`` may be injected
+    (tests); by default the aiohttp transport and the configured tokenizer are used."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        transport: Transport | None = None,
+        tokenizer: Tokenizer | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        background: bool = True,
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.transport: Transport = transport or AiohttpTransport(
+            connect_timeout_s=config.connect_timeout_s, read_timeout_s=config.upstream_timeout_s
+        )
+        tok = tokenizer or load_tokenizer(config.tokenizer)
+        self.core = RouterCore(
+            config, RequestTokenizer(tok, config.tokenizer_cache_entries), make_policy(config.policy), clock
+        )
+        self.proxy = Proxy(self.core, self.transport)
+        self.monitor = Monitor(self.core, self.transport)
+        self.background = background
+        self._zmq: zmq.asyncio.Context | None = None
+        self.subscribers: list[EventSubscriber] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._runner: web.AppRunner | None = None
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(RouterCollector(self.core, self.subscribers, self.proxy))
+        self.url = ""
+
+    def make_app(self) -> web.Application:
+        # The body limit is enforced by the proxy (OpenAI-style 413), so aiohttp's own is lifted.
+        app = web.Application(client_max_size=self.config.max_body_bytes + 1)
+        app.router.add_post("/v1/completions", self.proxy.completions)
+        app.router.add_post("/v1/chat/completions", self.proxy.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    async def start(self) -> str:
+        """Bind and start; returns the base URL (``http://host:port``)."""
+        runner = web.AppRunner(self.make_app(), access_log=None, handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, self.config.host, self.config.port, backlog=1024)
+        await site.start()
+        self._runner = runner
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://{self.config.host}:{port}"
+        if self.background:
+            self._start_background()
+        return self.url
+
+    def _start_background(self) -> None:
+        exact = [(i, b) for i, b in enumerate(self.config.backends) if b.kv_events]
+        if exact:
+            self._zmq = zmq.asyncio.Context()
+            for i, b in exact:
+                assert b.kv_events is not None
+                sub = EventSubscriber(self._zmq, i, b.kv_events, b.kv_replay, self.core.kv, self.core.clock)
+                self.subscribers.append(sub)
+                self._tasks.append(asyncio.create_task(sub.run()))
+        self._tasks.append(asyncio.create_task(self.monitor.health_loop()))
+        self._tasks.append(asyncio.create_task(self.monitor.scrape_loop()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await self.transport.close()
+        if self._zmq is not None:
+            self._zmq.term()
+            self._zmq = None
+
+    # ---- small endpoints -----------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        healthy = sum(b.healthy for b in self.core.backends)
+        body = {
+            "status": "ok" if healthy else "unavailable",
+            "healthy_backends": healthy,
+            "backends": len(self.core.backends),
+        }
+        return web.Response(
+            status=200 if healthy else 503, body=orjson.dumps(body), content_type="application/json"
+        )
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=render_metrics(self.registry), content_type="text/plain", charset="utf-8")
+
+    async def models(self, request: web.Request) -> web.Response:
+        """Union (by id, first backend wins) of the healthy backends' /v1/models."""
+        backends = [b for b in self.core.backends if b.healthy]
+        if not backends:
+            return error_response(
+                ApiError(503, "no healthy backend", etype="service_unavailable"), self.config.retry_after_s
+            )
+        results = await asyncio.gather(*(self._models_of(b.url) for b in backends))
+        seen: dict[str, object] = {}
+        for data in results:
+            for m in data:
+                if isinstance(m, dict) and isinstance(m.get("id"), str):
+                    seen.setdefault(m["id"], m)
+        body = {"object": "list", "data": list(seen.values())}
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    async def _models_of(self, url: str) -> list[object]:
+        timeout = self.config.health_timeout_s
+        try:
+            resp = await self.transport.send(url, "GET", "/v1/models", timeout_s=timeout)
+            try:
+                async with asyncio.timeout(timeout):
+                    raw = await resp.read()
+                resp.release()
+            finally:
+                resp.abort()
+            data = orjson.loads(raw).get("data") if resp.status == 200 else None
+        except (UpstreamError, TimeoutError, orjson.JSONDecodeError, AttributeError):
+            return []
+        return data if isinstance(data, list) else []

@@ -1,0 +1,219 @@
+"""Per-backend state: router-side counters, scraped engine metrics, health, and the merged load view.
+
+Router-side counters (fresh, but only this router's traffic), per backend:
+
+- ``waiting``: requests routed there whose first byte has not come back yet;
+- ``queued_prefill``: the new (uncached) prompt tokens of those requests;
+- ``running``: requests past their first byte and not yet ended.
+
+A request moves waiting → running at its first response byte (for a streamed response that is the
+first token; a non-streamed one stays waiting until it ends) and leaves at its end, whatever the end
+(success, error, client disconnect, cancellation): :class:`Lease` makes each step happen at most once,
+so the counters return to zero when traffic stops.
+
+Scraped engine metrics (every ``scrape_interval_s``, from ``/metrics``; older but they include
+traffic from other clients): ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc`` (or the older ``vllm:gpu_cache_usage_perc``), summed over label sets.
+
+**Merge** (:meth:`BackendState.view`): the batch size is the larger of the two totals,
+``BS = max(r_running + r_waiting, s_running + s_waiting)``; ``running = min(BS, max(r_running,
+s_running))`` and ``waiting = BS − running`` (a request the engine already runs but that has not sent
+its first byte is counted once, not twice). ``queued_prefill_tokens`` is the router's own (vLLM does not
+export it); ``kv_usage`` is the engine's. Scraped values older than ``scrape_stale_s`` are ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvroute.views import InstanceView
+
+__all__ = ["BackendState", "Lease", "ScrapedMetrics", "parse_vllm_metrics"]
+
+_RUNNING = b"vllm:num_requests_running"
+_WAITING = b"vllm:num_requests_waiting"
+_KV_USAGE = (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc")
+_CACHE_CONFIG = b"vllm:cache_config_info"
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapedMetrics:
+    """What one ``/metrics`` scrape said; ``at`` is the router's monotonic clock, seconds."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    at: float
+    num_kv_blocks: int = 0
+
+
+def _sample_value(line: bytes) -> float | None:
+    # "name{labels} value [timestamp]" -> value
+    end = line.rfind(b"}")
+    rest = line[end + 1 :] if end >= 0 else line.split(b" ", 1)[1] if b" " in line else b""
+    parts = rest.split()
+    if not parts:
+        return None
+    try:
+        return float(parts[0])
+    except ValueError:
+        return None
+
+
+def parse_vllm_metrics(text: bytes, at: float) -> ScrapedMetrics | None:
+    """Parse vLLM's Prometheus text; None when it has neither running nor waiting gauges.
+
+    Values of the same metric with different labels (e.g. several ``model_name``) are summed; the KV
+    usage is the maximum. ``vllm:cache_config_info{num_gpu_blocks="N"}`` gives the pool size if present.
+    """
+    running = waiting = 0.0
+    usage = 0.0
+    seen = False
+    blocks = 0
+    for line in text.splitlines():
+        if not line.startswith(b"vllm:"):
+            continue
+        if line.startswith(_RUNNING) and line[len(_RUNNING) : len(_RUNNING) + 1] in (b"{", b" "):
+            v = _sample_value(line)
+            if v is not None:
+                running += v
+                seen = True
+        elif line.startswith(_WAITING) and line[len(_WAITING) : len(_WAITING) + 1] in (b"{", b" "):
+            v = _sample_value(line)
+            if v is not None:
+                waiting += v
+                seen = True
+        elif line.startswith(_KV_USAGE):
+            v = _sample_value(line)
+            if v is not None:
+                usage = max(usage, v)
+        elif line.startswith(_CACHE_CONFIG):
+            key = b'num_gpu_blocks="'
+            i = line.find(key)
+            if i >= 0:
+                j = line.find(b'"', i + len(key))
+                try:
+                    blocks = int(line[i + len(key) : j])
+                except ValueError:
+                    blocks = 0
+    if not seen:
+        return None
+    usage = min(max(usage, 0.0), 1.0)
+    return ScrapedMetrics(max(int(running), 0), max(int(waiting), 0), usage, at, blocks)
+
+
+class BackendState:
+    """Mutable state of one backend. Mutated only by :class:`Lease`, the scraper and the health
+    checker (all on the router's event loop)."""
+
+    __slots__ = (
+        "failures",
+        "healthy",
+        "index",
+        "queued_prefill",
+        "requests_total",
+        "running",
+        "scraped",
+        "successes",
+        "url",
+        "waiting",
+    )
+
+    def __init__(self, index: int, url: str) -> None:
+        self.index = index
+        self.url = url
+        self.waiting = 0
+        self.running = 0
+        self.queued_prefill = 0
+        self.requests_total = 0
+        self.scraped: ScrapedMetrics | None = None
+        self.healthy = True
+        self.failures = 0  # consecutive failed health checks
+        self.successes = 0  # consecutive good health checks while ejected
+
+    def view(self, now: float, stale_s: float) -> InstanceView:
+        """The merged load view (see the module docstring); ``now`` on the monotonic clock."""
+        r_run, r_wait = self.running, self.waiting
+        s = self.scraped
+        if s is not None and now - s.at <= stale_s:
+            total = max(r_run + r_wait, s.running + s.waiting)
+            running = min(total, max(r_run, s.running))
+            return InstanceView(
+                index=self.index,
+                running=running,
+                waiting=total - running,
+                queued_prefill_tokens=self.queued_prefill,
+                kv_usage=s.kv_usage,
+                kv_capacity_blocks=s.num_kv_blocks,
+            )
+        return InstanceView(
+            index=self.index, running=r_run, waiting=r_wait, queued_prefill_tokens=self.queued_prefill
+        )
+
+    def eject(self) -> bool:
+        """Mark unhealthy; True if it was healthy."""
+        was = self.healthy
+        self.healthy = False
+        self.successes = 0
+        return was
+
+    def check_failed(self, eject_after: int) -> bool:
+        """Record a failed health check; True if this ejected the backend."""
+        self.failures += 1
+        self.successes = 0
+        if self.healthy and self.failures >= eject_after:
+            self.healthy = False
+            return True
+        return False
+
+    def check_passed(self, readmit_after: int) -> bool:
+        """Record a good health check; True if this re-admitted the backend."""
+        self.failures = 0
+        if self.healthy:
+            return False
+        self.successes += 1
+        if self.successes >= readmit_after:
+            self.healthy = True
+            self.successes = 0
+            return True
+        return False
+
+
+class Lease:
+    """One routed attempt's share of a backend's counters: +1 waiting and ``prefill`` queued tokens on
+    creation, → running at :meth:`first_byte`, gone at :meth:`release`. Each step is idempotent, so
+    any exit path may call :meth:`release` (and ``finally`` always does)."""
+
+    __slots__ = ("_state", "backend", "prefill")
+
+    def __init__(self, backend: BackendState, prefill_tokens: int) -> None:
+        self.backend = backend
+        self.prefill = prefill_tokens
+        self._state = 0  # 0 waiting, 1 running, 2 released
+        backend.waiting += 1
+        backend.queued_prefill += prefill_tokens
+        backend.requests_total += 1
+
+    @property
+    def started(self) -> bool:
+        """True once the first byte came back."""
+        return self._state >= 1
+
+    def first_byte(self) -> None:
+        """waiting → running; the prefill tokens leave the queue."""
+        if self._state == 0:
+            b = self.backend
+            b.waiting -= 1
+            b.queued_prefill -= self.prefill
+            b.running += 1
+            self._state = 1
+
+    def release(self) -> None:
+        """The attempt ended (any way)."""
+        b = self.backend
+        if self._state == 0:
+            b.waiting -= 1
+            b.queued_prefill -= self.prefill
+        elif self._state == 1:
+            b.running -= 1
+        self._state = 2

@@ -1,0 +1,194 @@
+"""Router configuration: frozen dataclasses, built from command-line flags or a YAML file.
+
+Units: seconds for every ``*_s`` field, bytes for ``max_body_bytes``, tokens for ``block_size``.
+Nothing here opens sockets or files except :func:`load_config_file`, which only reads the file.
+
+YAML layout (every key optional except ``backends``)::
+
+    backends:
+      - url: http://10.0.0.1:8000
+        kv_events: tcp://10.0.0.1:5557        # exact KV view from this engine's ZMQ events
+        kv_replay: tcp://10.0.0.1:5558        # optional replay socket for gap recovery
+      - http://10.0.0.2:8000                  # a bare URL is also accepted
+    policy: lmetric
+    host: 127.0.0.1
+    port: 8080
+    tokenizer: null                           # path to a tokenizer.json (default: bundled Qwen3)
+    block_size: 16
+    max_body_bytes: 33554432
+    scrape_interval_s: 0.05
+    health_interval_s: 1.0
+    ...                                       # any other RouterConfig field by name
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from kvroute.errors import UserError
+
+__all__ = ["BackendSpec", "RouterConfig", "config_from_mapping", "load_config_file", "parse_backend_url"]
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """One OpenAI-compatible engine.
+
+    - ``url``: base URL without a trailing slash, e.g. ``http://127.0.0.1:8000``.
+    - ``kv_events``: ZMQ PUB endpoint of the engine's KV events (``tcp://host:port``); None → the
+      approximate KV view (routing history) for this backend.
+    - ``kv_replay``: ZMQ ROUTER endpoint for replaying missed event batches after a sequence gap.
+    """
+
+    url: str
+    kv_events: str | None = None
+    kv_replay: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Everything the router needs; see the module docstring for the YAML form.
+
+    - ``max_retries``: extra attempts on other backends when an attempt fails before its first byte.
+    - ``eject_after``: consecutive failed health checks before a backend is ejected (a connection error
+      on a request ejects at once); ``readmit_after``: consecutive good checks to re-admit it.
+    - ``scrape_stale_s``: scraped engine metrics older than this are ignored in the load view.
+    - ``approx_capacity_blocks``: per-backend capacity of the approximate KV view (0 → use the
+      engine's pool size when known, else 16384 blocks); ``approx_ttl_s``: entries older than this
+      are dropped.
+    - ``kv_recovery_s``: after an unrecovered event gap the backend's exact view is cleared and the
+      approximate view is used (merged with new events) for this long.
+    - ``tokenizer_cache_entries``: per-message token cache size (messages).
+    """
+
+    backends: tuple[BackendSpec, ...]
+    policy: str = "lmetric"
+    host: str = "127.0.0.1"
+    port: int = 8080
+    tokenizer: str | None = None
+    block_size: int = 16
+    max_body_bytes: int = 32 * 1024 * 1024
+    scrape_interval_s: float = 0.05
+    scrape_stale_s: float = 1.0
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 1.0
+    eject_after: int = 3
+    readmit_after: int = 1
+    max_retries: int = 2
+    connect_timeout_s: float = 2.0
+    upstream_timeout_s: float = 600.0
+    approx_capacity_blocks: int = 0
+    approx_ttl_s: float = 600.0
+    kv_recovery_s: float = 30.0
+    tokenizer_cache_entries: int = 65536
+    retry_after_s: int = 1
+
+    def validate(self) -> RouterConfig:
+        """Return self; raise :class:`UserError` for a value out of range."""
+        if not self.backends:
+            raise UserError("at least one backend is needed (--backend URL or 'backends' in the config)")
+        urls = [b.url for b in self.backends]
+        if len(set(urls)) != len(urls):
+            raise UserError("a backend URL is listed twice")
+        checks = [
+            ("block_size", self.block_size >= 1),
+            ("max_body_bytes", self.max_body_bytes >= 1024),
+            ("scrape_interval_s", self.scrape_interval_s > 0),
+            ("health_interval_s", self.health_interval_s > 0),
+            ("health_timeout_s", self.health_timeout_s > 0),
+            ("eject_after", self.eject_after >= 1),
+            ("readmit_after", self.readmit_after >= 1),
+            ("max_retries", self.max_retries >= 0),
+            ("connect_timeout_s", self.connect_timeout_s > 0),
+            ("upstream_timeout_s", self.upstream_timeout_s > 0),
+            ("approx_capacity_blocks", self.approx_capacity_blocks >= 0),
+            ("approx_ttl_s", self.approx_ttl_s > 0),
+            ("kv_recovery_s", self.kv_recovery_s >= 0),
+            ("tokenizer_cache_entries", self.tokenizer_cache_entries >= 0),
+            ("port", 0 <= self.port <= 65535),
+            ("retry_after_s", self.retry_after_s >= 0),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise UserError(f"config: {name}={getattr(self, name)!r} is out of range")
+        return self
+
+
+def parse_backend_url(url: str) -> str:
+    """Normalise a backend base URL (strip trailing ``/`` and a trailing ``/v1``); raise UserError if it
+    is not ``http(s)://host:port``."""
+    u = url.strip().rstrip("/")
+    if u.endswith("/v1"):
+        u = u[: -len("/v1")]
+    parsed = urlparse(u)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise UserError(f"backend URL {url!r} must look like http://host:port")
+    return u
+
+
+def _backend_from(item: Any, where: str) -> BackendSpec:
+    if isinstance(item, str):
+        return BackendSpec(parse_backend_url(item))
+    if isinstance(item, Mapping):
+        unknown = set(item) - {"url", "kv_events", "kv_replay"}
+        if unknown:
+            raise UserError(f"{where}: unknown backend keys {sorted(unknown)}")
+        url = item.get("url")
+        if not isinstance(url, str):
+            raise UserError(f"{where}: a backend needs a string 'url'")
+        kv, rep = item.get("kv_events"), item.get("kv_replay")
+        for name, val in (("kv_events", kv), ("kv_replay", rep)):
+            if val is not None and not (isinstance(val, str) and val.startswith(("tcp://", "ipc://"))):
+                raise UserError(f"{where}: {name} must be a tcp:// or ipc:// endpoint")
+        return BackendSpec(parse_backend_url(url), kv, rep)
+    raise UserError(f"{where}: a backend is a URL string or a mapping with 'url'")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
+
+
+def config_from_mapping(data: Mapping[str, Any], where: str = "config") -> RouterConfig:
+    """Build a config from a parsed YAML mapping; raise :class:`UserError` naming the bad key."""
+    if not isinstance(data, Mapping):
+        raise UserError(f"{where}: the top level must be a mapping")
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key == "backends":
+            if not isinstance(value, list):
+                raise UserError(f"{where}: 'backends' must be a list")
+            kwargs["backends"] = tuple(_backend_from(v, where) for v in value)
+            continue
+        f = _FIELDS.get(key)
+        if f is None:
+            raise UserError(f"{where}: unknown key {key!r}")
+        default = f.default
+        if value is not None and default is not None and default is not dataclasses.MISSING:
+            want = type(default)
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, want) or isinstance(value, bool) != isinstance(default, bool):
+                raise UserError(f"{where}: {key} must be a {want.__name__}, got {value!r}")
+        kwargs[key] = value
+    kwargs.setdefault("backends", ())
+    return RouterConfig(**kwargs)
+
+
+def load_config_file(path: str | Path) -> RouterConfig:
+    """Read a YAML config file (see the module docstring). Raises :class:`UserError` on any problem."""
+    import yaml
+
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"cannot read config {p}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise UserError(f"{p}: invalid YAML: {exc}") from None
+    return config_from_mapping(data or {}, str(p))

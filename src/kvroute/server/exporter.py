@@ -1,0 +1,100 @@
+"""The router's own Prometheus metrics, read from its state at scrape time (no per-request cost).
+
+Metric names (all prefixed ``kvroute_``): ``requests_total{outcome}``, ``retries_total``,
+``backend_healthy{backend}``, ``backend_waiting{backend}``, ``backend_running{backend}``,
+``backend_queued_prefill_tokens{backend}``, ``backend_routed_total{backend}``,
+``kv_view_mode{backend,mode}``, ``kv_event_batches_total{backend}``, ``kv_event_gaps_total{backend}``,
+``tokenizer_cache_hits_total``, ``tokenizer_cache_misses_total``, ``routing_seconds_total``,
+``routed_total``. Each router owns its own ``CollectorRegistry``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvroute.server.events import EventSubscriber
+from kvroute.server.router import RouterCore
+
+__all__ = ["RouterCollector", "render_metrics"]
+
+
+class RouterCollector(Collector):
+    def __init__(self, core: RouterCore, subscribers: Sequence[EventSubscriber], proxy_stats: object) -> None:
+        self.core = core
+        self.subscribers = subscribers
+        self.proxy_stats = proxy_stats
+
+    def collect(self) -> Iterator[Metric]:
+        core = self.core
+        c = core.counters
+        req = CounterMetricFamily("kvroute_requests", "Requests by outcome", labels=["outcome"])
+        for outcome in ("ok", "client_errors", "upstream_errors", "cancelled", "unavailable"):
+            req.add_metric([outcome], getattr(c, outcome))
+        yield req
+        yield CounterMetricFamily("kvroute_retries", "Attempts retried on another backend", value=c.retries)
+        fams = {
+            "healthy": GaugeMetricFamily("kvroute_backend_healthy", "1 if admitted", labels=["backend"]),
+            "waiting": GaugeMetricFamily(
+                "kvroute_backend_waiting", "Routed requests before their first byte", labels=["backend"]
+            ),
+            "running": GaugeMetricFamily(
+                "kvroute_backend_running", "Routed requests past their first byte", labels=["backend"]
+            ),
+            "queued_prefill": GaugeMetricFamily(
+                "kvroute_backend_queued_prefill_tokens",
+                "Uncached prompt tokens routed, not started",
+                labels=["backend"],
+            ),
+        }
+        routed = CounterMetricFamily(
+            "kvroute_backend_routed", "Attempts sent to the backend", labels=["backend"]
+        )
+        mode = GaugeMetricFamily(
+            "kvroute_kv_view_mode", "KV view mode of the backend", labels=["backend", "mode"]
+        )
+        now = core.clock()
+        for b in core.backends:
+            fams["healthy"].add_metric([b.url], 1.0 if b.healthy else 0.0)
+            fams["waiting"].add_metric([b.url], b.waiting)
+            fams["running"].add_metric([b.url], b.running)
+            fams["queued_prefill"].add_metric([b.url], b.queued_prefill)
+            routed.add_metric([b.url], b.requests_total)
+            current = core.kv.mode(b.index, now)
+            for m in ("approx", "exact", "recovering"):
+                mode.add_metric([b.url, m], 1.0 if m == current else 0.0)
+        yield from fams.values()
+        yield routed
+        yield mode
+        batches = CounterMetricFamily(
+            "kvroute_kv_event_batches", "KV event batches applied", labels=["backend"]
+        )
+        gaps = CounterMetricFamily("kvroute_kv_event_gaps", "KV event sequence gaps", labels=["backend"])
+        for s in self.subscribers:
+            url = core.backends[s.backend].url
+            batches.add_metric([url], s.batches)
+            gaps.add_metric([url], s.gaps)
+        yield batches
+        yield gaps
+        tok = core.tokenizer
+        yield CounterMetricFamily(
+            "kvroute_tokenizer_cache_hits", "Per-message token cache hits", value=tok.hits
+        )
+        yield CounterMetricFamily(
+            "kvroute_tokenizer_cache_misses", "Per-message token cache misses", value=tok.misses
+        )
+        yield CounterMetricFamily(
+            "kvroute_routing_seconds",
+            "Time spent parsing, tokenizing and routing",
+            value=float(getattr(self.proxy_stats, "route_seconds_sum", 0.0)),
+        )
+        yield CounterMetricFamily(
+            "kvroute_routed", "Requests routed", value=int(getattr(self.proxy_stats, "route_count", 0))
+        )
+
+
+def render_metrics(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

@@ -1,0 +1,163 @@
+"""The router's KV view: which backend caches which prefix blocks, per backend exact or approximate.
+
+- **Approximate** (default): routing history in an :class:`~kvroute.index.ApproxPrefixIndex` — the
+  routed backend is assumed to hold the prompt's blocks (LRU capacity per backend, TTL). Routing
+  history is recorded for *every* backend, so a backend whose event stream breaks can fall back to it.
+- **Exact**: a backend with a KV-event endpoint feeds a :class:`~kvroute.index.PrefixIndex` from its
+  ``BlockStored``/``BlockRemoved``/``AllBlocksCleared`` events. Engine block hashes are private, so
+  ``BlockStored`` blocks are re-hashed from their ``token_ids`` with the router's own chain
+  (:func:`kvroute.blocks.hash_blocks` after the parent's router hash); a per-backend map engine hash →
+  router hash serves ``BlockRemoved`` and later parents. Blocks whose parent is unknown are skipped.
+- **Recovering**: after a sequence gap that replay could not fill, the backend's exact entries are
+  cleared and, for ``recovery_s`` seconds, its match is ``max(exact, approximate)`` (new events are
+  exact; the history covers what was cached before the gap); then it is exact again.
+
+Correction in approximate mode (:meth:`KVView.on_usage`): when a response reports
+``usage.prompt_tokens_details.cached_tokens``, the router compares it with its prediction for that
+backend: fewer cached blocks than predicted means the backend evicts sooner than believed, so its LRU
+capacity shrinks by 10% (evicting its oldest entries at once); more than predicted grows it by the
+missed blocks (up to the configured capacity). Additive increase, multiplicative decrease.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvroute.blocks import hash_blocks
+from kvroute.engine.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvroute.index import ApproxPrefixIndex, PrefixIndex
+
+__all__ = ["KVView"]
+
+_SHRINK = 0.9
+
+
+class KVView:
+    """See the module docstring. ``now`` arguments are monotonic seconds and must not decrease.
+
+    Mutated by ``on_routed`` (approximate history), ``on_usage`` (capacity correction),
+    ``apply_events``/``reset`` (exact view); ``match`` mutates nothing.
+    """
+
+    def __init__(
+        self,
+        num_backends: int,
+        block_size: int,
+        capacity_blocks: int,
+        ttl_s: float | None,
+        recovery_s: float,
+        exact_backends: Iterable[int] = (),
+    ) -> None:
+        self.num_backends = num_backends
+        self.block_size = block_size
+        self.max_capacity = capacity_blocks
+        self.recovery_s = recovery_s
+        self.approx = ApproxPrefixIndex(capacity_blocks, ttl_s)
+        self.exact = PrefixIndex()
+        self._exact_set = frozenset(exact_backends)
+        self._hash_maps: dict[int, dict[int, int]] = {i: {} for i in self._exact_set}
+        self._recover_until: dict[int, float] = {}
+        self._last_now = float("-inf")
+        self.skipped_blocks = 0  # BlockStored blocks dropped (unknown parent, no tokens, block size)
+        self.corrections = 0
+
+    def _now(self, now: float) -> float:
+        # The approximate index refuses time going backwards; keep ours monotone.
+        if now < self._last_now:
+            now = self._last_now
+        self._last_now = now
+        return now
+
+    def mode(self, backend: int, now: float) -> str:
+        """``"approx"``, ``"exact"`` or ``"recovering"``."""
+        if backend not in self._exact_set:
+            return "approx"
+        until = self._recover_until.get(backend)
+        return "recovering" if until is not None and now < until else "exact"
+
+    def match(self, chain: Sequence[int], now: float) -> list[int]:
+        """Cached-prefix length in blocks of ``chain`` on every backend (list indexed by backend)."""
+        n = self.num_backends
+        if not self._exact_set:
+            return self.approx.match(chain, n)
+        approx = self.approx.match(chain, n)
+        exact = self.exact.match(chain, n)
+        out = approx
+        for i in self._exact_set:
+            if self.mode(i, now) == "exact":
+                out[i] = exact[i]
+            else:
+                out[i] = max(exact[i], approx[i])
+        return out
+
+    def on_routed(self, backend: int, chain: Sequence[int], now: float) -> None:
+        """A request with block ``chain`` was sent to ``backend`` (records the routing history)."""
+        if chain:
+            self.approx.assign(backend, chain, self._now(now))
+
+    def on_usage(
+        self, backend: int, chain: Sequence[int], cached_tokens: int, predicted_blocks: int, now: float
+    ) -> None:
+        """The engine reported ``cached_tokens`` for a request predicted to hit ``predicted_blocks``
+        on ``backend``: adjust that backend's approximate capacity (approximate mode only)."""
+        if backend in self._exact_set and self.mode(backend, now) == "exact":
+            return
+        reported = min(cached_tokens // self.block_size, len(chain))
+        if reported == predicted_blocks:
+            return
+        cap = self.approx.capacity(backend)
+        if reported < predicted_blocks:
+            new = max(len(chain), int(self.approx.num_blocks(backend) * _SHRINK))
+            new = min(new, cap)
+        else:
+            new = min(self.max_capacity, cap + (reported - predicted_blocks))
+        if new != cap:
+            self.corrections += 1
+            self.approx.set_capacity(backend, new)
+
+    def expire(self, now: float) -> int:
+        """Drop approximate entries past their TTL; returns how many."""
+        return self.approx.expire(self._now(now))
+
+    # ---- exact view ----------------------------------------------------------------------------
+
+    def reset(self, backend: int, now: float) -> None:
+        """The event stream of ``backend`` has an unrecoverable gap: clear its exact entries and use
+        ``max(exact, approximate)`` for ``recovery_s`` seconds."""
+        self.exact.clear(backend)
+        self._hash_maps.setdefault(backend, {}).clear()
+        self._recover_until[backend] = now + self.recovery_s
+
+    def apply_events(self, backend: int, events: Sequence[KVEvent]) -> None:
+        """Apply one decoded event batch of ``backend`` to the exact view."""
+        hmap = self._hash_maps.setdefault(backend, {})
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                self._stored(backend, hmap, ev)
+            elif isinstance(ev, BlockRemoved):
+                ours = [
+                    h for h in map(hmap.pop, ev.block_hashes, [None] * len(ev.block_hashes)) if h is not None
+                ]
+                if ours:
+                    self.exact.remove(backend, ours)
+            elif isinstance(ev, AllBlocksCleared):
+                self.exact.clear(backend)
+                hmap.clear()
+
+    def _stored(self, backend: int, hmap: dict[int, int], ev: BlockStored) -> None:
+        n = len(ev.block_hashes)
+        bs = self.block_size
+        if ev.block_size != bs or len(ev.token_ids) != n * bs:
+            self.skipped_blocks += n
+            return
+        if ev.parent_block_hash is None:
+            parent = None
+        else:
+            parent = hmap.get(ev.parent_block_hash)
+            if parent is None:
+                self.skipped_blocks += n
+                return
+        ours = hash_blocks(ev.token_ids, bs, parent=parent)
+        for eh, oh in zip(ev.block_hashes, ours, strict=True):
+            hmap[eh] = oh
+        self.exact.store(backend, ours)

@@ -1,0 +1,280 @@
+"""The aiohttp side of the router: HTTP handlers, forwarding with retries, streaming pass-through.
+
+Forwarding rules (see :meth:`Proxy.forward`):
+
+- the body is sent unchanged to the backends in the plan's order; an attempt that fails *before the
+  backend's first body byte* (connection error, or a 502/503/504 status) is retried on the next-best
+  backend, at most ``max_retries`` times; a connection error also ejects the backend at once (the
+  health checker re-admits it);
+- nothing is sent to the client before the first upstream body byte; after it, a broken upstream
+  stream ends with an SSE error event (``data: {"error": ...}`` then ``data: [DONE]``) for streamed
+  requests, or a 502 JSON error for non-streamed ones (their body is buffered);
+- a client that goes away cancels the handler, which aborts the upstream connection (the engine then
+  cancels the request); counters are released in ``finally`` on every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import orjson
+from aiohttp import web
+
+from kvroute.server.backends import BackendState, Lease
+from kvroute.server.router import Plan, RouterCore
+from kvroute.server.transport import Transport, UpstreamBrokenError, UpstreamConnectError, UpstreamResponse
+from kvroute.server.validate import ApiError, error_body, parse_request
+
+__all__ = ["Proxy", "extract_cached_tokens"]
+
+log = logging.getLogger("kvroute.server")
+
+_RETRYABLE_STATUS = frozenset({502, 503, 504})
+_TAIL_BYTES = 8192
+_JSON = "application/json"
+
+
+def error_response(err: ApiError, retry_after: int | None = None) -> web.Response:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return web.Response(status=err.status, body=error_body(err), content_type=_JSON, headers=headers)
+
+
+def extract_cached_tokens(data: bytes) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` from a JSON body or the last SSE event carrying
+    usage in ``data`` (the tail of a stream); None when absent or unparsable."""
+    key = b'"cached_tokens"'
+    pos = data.rfind(key)
+    if pos < 0:
+        return None
+    start = data.rfind(b"\n", 0, pos) + 1
+    end = data.find(b"\n", pos)
+    line = data[start : end if end >= 0 else len(data)].strip()
+    if line.startswith(b"data:"):
+        line = line[5:].strip()
+    try:
+        obj = orjson.loads(line)
+        cached = obj["usage"]["prompt_tokens_details"]["cached_tokens"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
+
+
+class _ClientGone(Exception):
+    """Writing to the client failed: it disconnected."""
+
+
+class Proxy:
+    """Forwards requests planned by a :class:`RouterCore` through a :class:`Transport`."""
+
+    def __init__(self, core: RouterCore, transport: Transport) -> None:
+        self.core = core
+        self.transport = transport
+        self.route_seconds_sum = 0.0  # time spent routing (parse + tokenize + plan), seconds
+        self.route_count = 0
+
+    # ---- handlers ----------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, chat=False, path="/v1/completions")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, chat=True, path="/v1/chat/completions")
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.core.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise ApiError(413, f"request body is larger than {limit} bytes")
+        chunks = []
+        size = 0
+        async for chunk in request.content.iter_any():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body is larger than {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _handle(self, request: web.Request, chat: bool, path: str) -> web.StreamResponse:
+        counters = self.core.counters
+        try:
+            raw = await self._read_body(request)
+            t0 = time.perf_counter()
+            parsed = parse_request(raw, chat)
+            plan = self.core.plan(parsed)
+            self.route_seconds_sum += time.perf_counter() - t0
+            self.route_count += 1
+        except ApiError as err:
+            if err.status == 503:
+                counters.unavailable += 1
+                return error_response(err, self.core.config.retry_after_s)
+            counters.client_errors += 1
+            counters.rejected += 1
+            return error_response(err)
+        headers = _forward_headers(request)
+        return await self.forward(request, plan, path, raw, headers, parsed.stream)
+
+    # ---- forwarding --------------------------------------------------------------------------
+
+    async def forward(
+        self,
+        request: web.Request,
+        plan: Plan,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        stream: bool,
+    ) -> web.StreamResponse:
+        """Try the plan's backends in order (see the module docstring); always returns a response."""
+        core = self.core
+        counters = core.counters
+        attempts = plan.order[: 1 + core.config.max_retries]
+        last_error = "no backend available"
+        for n, idx in enumerate(attempts):
+            backend = core.backends[idx]
+            if n and not backend.healthy:
+                continue
+            if n:
+                counters.retries += 1
+            lease = Lease(backend, plan.new_prefill[idx])
+            core.kv.on_routed(idx, plan.chain, core.clock())
+            try:
+                up = await self.transport.send(backend.url, "POST", path, body, headers)
+            except UpstreamConnectError as exc:
+                lease.release()
+                self._eject(backend, str(exc))
+                last_error = f"backend {backend.url} unreachable"
+                continue
+            except BaseException:
+                lease.release()
+                raise
+            if up.status in _RETRYABLE_STATUS and n + 1 < len(attempts):
+                lease.release()
+                up.abort()
+                last_error = f"backend {backend.url} answered {up.status}"
+                continue
+            result = await self._relay(request, up, lease, plan, stream)
+            if result is not None:
+                return result
+            last_error = f"backend {backend.url} failed before its first byte"
+        counters.unavailable += 1
+        return error_response(
+            ApiError(503, last_error, etype="service_unavailable"), core.config.retry_after_s
+        )
+
+    def _eject(self, backend: BackendState, why: str) -> None:
+        if backend.eject():
+            log.warning("ejected backend %s: %s", backend.url, why)
+
+    async def _relay(
+        self, request: web.Request, up: UpstreamResponse, lease: Lease, plan: Plan, stream: bool
+    ) -> web.StreamResponse | None:
+        """Relay one upstream response; None when it broke before its first byte (retry)."""
+        idx = lease.backend.index
+        done = False
+        chunks: AsyncIterator[bytes] = up.iter_chunks()
+        try:
+            try:
+                first = await anext(chunks)
+            except StopAsyncIteration:
+                first = b""
+            except UpstreamBrokenError as exc:
+                self._eject(lease.backend, str(exc))
+                return None
+            lease.first_byte()
+            if not stream or up.status != 200:
+                resp = await self._relay_buffered(up, first, chunks)
+                done = True
+                if resp.status == 200 and isinstance(resp.body, bytes):
+                    self._learn(idx, plan, resp.body)
+                return resp
+            out = web.StreamResponse(status=up.status, headers={"Content-Type": up.content_type})
+            out.enable_chunked_encoding()
+            tail = await self._relay_stream(request, out, first, chunks)
+            done = tail is not None
+            if tail is not None:
+                self._learn(idx, plan, tail)
+            return out
+        finally:
+            lease.release()
+            if done:
+                up.release()
+            else:
+                up.abort()
+
+    async def _relay_buffered(
+        self, up: UpstreamResponse, first: bytes, chunks: AsyncIterator[bytes]
+    ) -> web.Response:
+        parts = [first]
+        try:
+            async for chunk in chunks:
+                parts.append(chunk)
+        except UpstreamBrokenError as exc:
+            self.core.counters.upstream_errors += 1
+            return error_response(ApiError(502, f"backend response broke off: {exc}", etype="upstream_error"))
+        body = b"".join(parts)
+        if up.status < 400:
+            self.core.counters.ok += 1
+        elif up.status < 500:
+            self.core.counters.client_errors += 1
+        else:
+            self.core.counters.upstream_errors += 1
+        return web.Response(status=up.status, body=body, headers={"Content-Type": up.content_type})
+
+    async def _relay_stream(
+        self, request: web.Request, out: web.StreamResponse, first: bytes, chunks: AsyncIterator[bytes]
+    ) -> bytes | None:
+        """Stream to the client; return the last bytes of the stream when it ended normally, None when
+        the upstream broke (an error event was sent) or the client went away."""
+        counters = self.core.counters
+        try:
+            await _write(out, request, first, prepare=True)
+            tail = first
+            try:
+                async for chunk in chunks:
+                    await _write(out, request, chunk)
+                    tail = (tail + chunk)[-_TAIL_BYTES:] if len(chunk) < _TAIL_BYTES else chunk
+            except UpstreamBrokenError as exc:
+                counters.upstream_errors += 1
+                err = ApiError(502, f"backend stream broke off: {exc}", etype="upstream_error")
+                await _write(out, request, b"data: " + error_body(err) + b"\n\ndata: [DONE]\n\n")
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    await out.write_eof()
+                return None
+            await out.write_eof()
+        except _ClientGone:
+            counters.cancelled += 1
+            return None
+        except asyncio.CancelledError:
+            counters.cancelled += 1
+            raise
+        counters.ok += 1
+        return tail
+
+    def _learn(self, idx: int, plan: Plan, tail: bytes) -> None:
+        cached = extract_cached_tokens(tail)
+        if cached is not None:
+            self.core.kv.on_usage(idx, plan.chain, cached, plan.cached_blocks.get(idx, 0), self.core.clock())
+
+
+async def _write(out: web.StreamResponse, request: web.Request, data: bytes, prepare: bool = False) -> None:
+    try:
+        if prepare:
+            await out.prepare(request)
+        if data:
+            await out.write(data)
+    except (ConnectionError, RuntimeError) as exc:  # ClientConnectionResetError is a ConnectionError
+        raise _ClientGone(str(exc)) from None
+
+
+_HOP = frozenset(
+    {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding", "upgrade"}
+)
+
+
+def _forward_headers(request: web.Request) -> dict[str, str]:
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+    headers["Content-Type"] = _JSON
+    return headers

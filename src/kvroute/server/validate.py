@@ -1,0 +1,136 @@
+"""Validation of client request bodies and OpenAI-style error bodies.
+
+Nothing here raises anything but :class:`ApiError`, whose ``status`` (400, 413, 503, ...) and message
+end up in an OpenAI-style JSON error: ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+__all__ = ["ApiError", "ParsedRequest", "error_body", "parse_request"]
+
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error"}
+
+
+class ApiError(Exception):
+    """An error for the client: HTTP ``status`` and a one-line message (never a traceback)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, etype: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.etype = etype or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def error_body(err: ApiError) -> bytes:
+    """The OpenAI-style JSON body for ``err``."""
+    return orjson.dumps(
+        {"error": {"message": err.message, "type": err.etype, "param": err.param, "code": err.status}}
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """What routing needs from a validated body. ``prompt``: str or token ids (completions);
+    ``messages``: the chat messages (chat); ``max_tokens``: 0 when absent."""
+
+    chat: bool
+    stream: bool
+    model: str | None
+    max_tokens: int
+    user: str | None
+    prompt: str | Sequence[int] | None = None
+    messages: Sequence[Mapping[str, Any]] | None = None
+    cache_salt: str | None = None
+
+
+def _opt_int(body: Mapping[str, Any], key: str) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ApiError(400, f"'{key}' must be an integer", key)
+    if v < 0:
+        raise ApiError(400, f"'{key}' must be >= 0", key)
+    return v
+
+
+def _opt_str(body: Mapping[str, Any], key: str) -> str | None:
+    v = body.get(key)
+    if v is not None and not isinstance(v, str):
+        raise ApiError(400, f"'{key}' must be a string", key)
+    return v
+
+
+def _prompt(value: Any) -> str | Sequence[int]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        if all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+            return value
+        if all(isinstance(t, str) for t in value):
+            return value[0]  # a batch of prompts: route on the first
+        if all(isinstance(t, list) for t in value):
+            return _prompt(value[0])
+    raise ApiError(400, "'prompt' must be a string, a list of strings or a list of token ids", "prompt")
+
+
+def _messages(value: Any) -> list[Mapping[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, "'messages' must be a non-empty list", "messages")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}] must be an object", "messages")
+        if not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}].role must be a string", "messages")
+        content = m.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of parts", "messages")
+        if isinstance(content, list):
+            for part in content:
+                if not isinstance(part, dict) or (
+                    part.get("type") == "text" and not isinstance(part.get("text"), str)
+                ):
+                    raise ApiError(400, f"messages[{i}].content has a malformed part", "messages")
+    return value
+
+
+def parse_request(raw: bytes, chat: bool) -> ParsedRequest:
+    """Parse and check a ``/v1/completions`` (``chat=False``) or ``/v1/chat/completions`` body."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"malformed JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean", "stream")
+    max_tokens = _opt_int(body, "max_completion_tokens") if chat else None
+    if max_tokens is None:
+        max_tokens = _opt_int(body, "max_tokens")
+    model = _opt_str(body, "model")
+    user = _opt_str(body, "user")
+    salt = _opt_str(body, "cache_salt")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    if chat:
+        if "messages" not in body:
+            raise ApiError(400, "'messages' is required", "messages")
+        return ParsedRequest(
+            True, stream, model, max_tokens or 0, user, messages=_messages(body["messages"]), cache_salt=salt
+        )
+    if "prompt" not in body:
+        raise ApiError(400, "'prompt' is required", "prompt")
+    return ParsedRequest(
+        False, stream, model, max_tokens or 0, user, prompt=_prompt(body["prompt"]), cache_salt=salt
+    )

@@ -1,0 +1,234 @@
+"""Proxy logic through the transport seam: backends are a FakeTransport (no backend sockets); the
+client talks to the router over loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import orjson
+import pytest
+
+from kvroute.server.app import RouterServer
+from kvroute.server.config import BackendSpec, RouterConfig
+from kvroute.tokenizer import Tokenizer
+
+from .fakes import FakeTransport, Scripted
+
+A, B, C = "http://a:1", "http://b:1", "http://c:1"
+BODY = {"model": "m", "prompt": "hello world " * 20, "max_tokens": 2, "stream": True}
+
+
+def make_config(*urls: str, **kw: object) -> RouterConfig:
+    return RouterConfig(backends=tuple(BackendSpec(u) for u in urls), port=0, **kw)  # type: ignore[arg-type]
+
+
+async def start(transport: FakeTransport, tokenizer: Tokenizer, *urls: str, **kw: object) -> RouterServer:
+    server = RouterServer(
+        make_config(*urls, **kw), transport=transport, tokenizer=tokenizer, background=False
+    )
+    await server.start()
+    return server
+
+
+def counters_zero(server: RouterServer) -> bool:
+    return all(b.waiting == 0 and b.running == 0 and b.queued_prefill == 0 for b in server.core.backends)
+
+
+async def post(url: str, body: object, raw: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+    async with aiohttp.ClientSession() as s:
+        data = raw if raw is not None else orjson.dumps(body)
+        async with s.post(
+            url + "/v1/completions", data=data, headers={"Content-Type": "application/json"}
+        ) as r:
+            return r.status, dict(r.headers), await r.read()
+
+
+async def test_connect_error_retries_next_best_and_ejects(tokenizer: Tokenizer) -> None:
+    t = FakeTransport({A: [Scripted(connect_error=True)], B: [Scripted()]})
+    server = await start(t, tokenizer, A, B, policy="round-robin")
+    try:
+        status, _, body = await post(server.url, BODY)
+        assert status == 200 and body.endswith(b"data: [DONE]\n\n")
+        assert [c[0] for c in t.calls] == [A, B]
+        assert not server.core.backends[0].healthy and server.core.backends[1].healthy
+        assert server.core.counters.retries == 1
+        assert counters_zero(server)
+    finally:
+        await server.stop()
+
+
+async def test_break_before_first_byte_is_retried(tokenizer: Tokenizer) -> None:
+    t = FakeTransport({A: [Scripted(break_after=0)], B: [Scripted()]})
+    server = await start(t, tokenizer, A, B, policy="round-robin")
+    try:
+        status, _, body = await post(server.url, BODY)
+        assert status == 200 and b"error" not in body
+        assert t.responses[0].aborted
+        assert counters_zero(server)
+    finally:
+        await server.stop()
+
+
+async def test_break_after_first_byte_ends_with_error_event(tokenizer: Tokenizer) -> None:
+    t = FakeTransport({A: [Scripted(chunks=[b'data: {"x":1}\n\n', b"data: [DONE]\n\n"], break_after=1)]})
+    server = await start(t, tokenizer, A)
+    try:
+        status, _, body = await post(server.url, BODY)
+        assert status == 200
+        events = [e for e in body.split(b"\n\n") if e]
+        assert events[0] == b'data: {"x":1}'
+        assert orjson.loads(events[1][len(b"data: ") :])["error"]["type"] == "upstream_error"
+        assert events[-1] == b"data: [DONE]"
+        assert len(t.calls) == 1  # no retry after the first byte
+        assert server.core.counters.upstream_errors == 1
+        assert counters_zero(server)
+    finally:
+        await server.stop()
+
+
+async def test_all_backends_down_is_503_with_retry_after(tokenizer: Tokenizer) -> None:
+    t = FakeTransport({A: [Scripted(connect_error=True)], B: [Scripted(connect_error=True)]})
+    server = await start(t, tokenizer, A, B)
+    try:
+        status, headers, body = await post(server.url, BODY)
+        assert status == 503 and headers["Retry-After"] == "1"
+        assert orjson.loads(body)["error"]["code"] == 503
+        # Both are ejected now: the next request is refused without any backend call.
+        calls = len(t.calls)
+        status, headers, _ = await post(server.url, BODY)
+        assert status == 503 and "Retry-After" in headers and len(t.calls) == calls
+        assert counters_zero(server)
+    finally:
+        await server.stop()
+
+
+async def test_retryable_status_goes_to_next_backend(tokenizer: Tokenizer) -> None:
+    t = FakeTransport({A: [Scripted(status=503, chunks=[b"{}"])], B: [Scripted()]})
+    server = await start(t, tokenizer, A, B, policy="round-robin")
+    try:
+        status, _, _ = await post(server.url, BODY)
+        assert status == 200 and [c[0] for c in t.calls] == [A, B]
+        assert server.core.backends[0].healthy  # a 503 answer is not a dead backend
+    finally:
+        await server.stop()
+
+
+async def test_client_error_from_backend_passes_through(tokenizer: Tokenizer) -> None:
+    err = b'{"error": {"message": "bad", "type": "BadRequestError", "code": 400}}'
+    t = FakeTransport({A: [Scripted(status=400, chunks=[err])]})
+    server = await start(t, tokenizer, A)
+    try:
+        status, _, body = await post(server.url, BODY)
+        assert status == 400 and body == err
+        assert counters_zero(server)
+    finally:
+        await server.stop()
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (orjson.dumps({"prompt": 5}), "prompt"),
+        (orjson.dumps({"prompt": "x", "stream": "yes"}), "stream"),
+        (orjson.dumps({"prompt": "x", "max_tokens": "10"}), "max_tokens"),
+        (orjson.dumps({"prompt": "x", "max_tokens": -1}), "max_tokens"),
+        (orjson.dumps({"model": "m"}), "prompt"),
+        (orjson.dumps({"prompt": [1, -2]}), "prompt"),
+    ],
+)
+async def test_bad_bodies_are_openai_400s(tokenizer: Tokenizer, raw: bytes, param: str | None) -> None:
+    t = FakeTransport({A: [Scripted()]})
+    server = await start(t, tokenizer, A)
+    try:
+        status, _, body = await post(server.url, None, raw=raw)
+        err = orjson.loads(body)["error"]
+        assert status == 400 and err["type"] == "invalid_request_error" and err["param"] == param
+        assert "Traceback" not in err["message"]
+        assert t.calls == []
+    finally:
+        await server.stop()
+
+
+async def test_chat_validation(tokenizer: Tokenizer) -> None:
+    t = FakeTransport({A: [Scripted()]})
+    server = await start(t, tokenizer, A)
+    try:
+        async with aiohttp.ClientSession() as s:
+            for bad in (
+                {"messages": []},
+                {"messages": [{"role": 1, "content": "x"}]},
+                {"messages": [{"role": "user", "content": 5}]},
+                {"messages": "hi"},
+            ):
+                async with s.post(server.url + "/v1/chat/completions", json=bad) as r:
+                    assert r.status == 400, bad
+                    assert (await r.json())["error"]["param"] == "messages"
+    finally:
+        await server.stop()
+
+
+async def test_body_over_limit_is_413(tokenizer: Tokenizer) -> None:
+    t = FakeTransport({A: [Scripted()]})
+    server = await start(t, tokenizer, A, max_body_bytes=4096)
+    try:
+        status, _, body = await post(server.url, {"prompt": "x" * 5000})
+        assert status == 413 and orjson.loads(body)["error"]["code"] == 413
+
+        # Chunked upload without Content-Length is cut off as well.
+        async def gen():  # type: ignore[no-untyped-def]
+            for _ in range(10):
+                yield b"x" * 1000
+
+        async with aiohttp.ClientSession() as s, s.post(server.url + "/v1/completions", data=gen()) as r:
+            assert r.status == 413
+        assert t.calls == []
+    finally:
+        await server.stop()
+
+
+async def test_client_disconnect_aborts_upstream(tokenizer: Tokenizer) -> None:
+    gate = asyncio.Event()
+    t = FakeTransport({A: [Scripted(gate=gate)]})
+    server = await start(t, tokenizer, A)
+    try:
+        async with aiohttp.ClientSession() as s:
+            task = asyncio.create_task(s.post(server.url + "/v1/completions", json=BODY))
+            for _ in range(200):
+                if server.core.backends[0].waiting == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert server.core.backends[0].waiting == 1
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        for _ in range(200):
+            if t.responses and t.responses[0].aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert t.responses[0].aborted
+        assert counters_zero(server)
+    finally:
+        gate.set()
+        await server.stop()
+
+
+async def test_health_and_metrics_endpoints(tokenizer: Tokenizer) -> None:
+    t = FakeTransport({A: [Scripted()]})
+    server = await start(t, tokenizer, A)
+    try:
+        await post(server.url, BODY)
+        async with aiohttp.ClientSession() as s:
+            async with s.get(server.url + "/health") as r:
+                assert r.status == 200 and (await r.json())["healthy_backends"] == 1
+            async with s.get(server.url + "/metrics") as r:
+                text = await r.text()
+            assert 'kvroute_requests_total{outcome="ok"} 1.0' in text
+            assert f'kvroute_backend_waiting{{backend="{A}"}} 0.0' in text
+            server.core.backends[0].eject()
+            async with s.get(server.url + "/health") as r:
+                assert r.status == 503
+    finally:
+        await server.stop()

@@ -17,7 +17,7 @@ arrival + an *estimate* of the previous response time (``ttft_est_s + output_len
 think/tool time; it does not wait for the simulated engine's real response.
 
 Base rates (rate_scale = 1), measured over 1200 s with seed 0 (see the tests and the report):
-chatbot ≈ 7.5 req/s, coder 16 req/s, api 40 req/s, agent ≈ 9 req/s.
+chatbot ≈ 8 req/s, coder 16 req/s, api 40 req/s, agent ≈ 7.7 req/s.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ class ChatbotConfig(WorkloadConfig):
     description: ClassVar[str] = (
         "200 concurrent multi-turn chat users, shared system prompts, growing context"
     )
-    # The quick start replays 300 s (≈ 2,200 requests at rate_scale 1); the paper's 1200 s via duration.
+    # The quick start replays 300 s (≈ 2,500 requests at rate_scale 1); the paper's 1200 s via duration.
     duration_s: float = 300.0
     # Seed doc: "ChatBot：模拟200并发用户的对话场景" (200 concurrent users). Kept constant: a session that
     # ends is replaced by a new one (Poisson starts at users / mean session lifetime).
@@ -180,7 +180,8 @@ class ChatbotConfig(WorkloadConfig):
     system_prompt_tokens_min: int = 256
     system_prompt_tokens_max: int = 2048
     # Turns per conversation: geometric with this mean, capped. Multi-turn reuse is common in Mooncake's
-    # conversation trace (39% of requests reuse >= 2 blocks of 512 tokens beyond the shared prompt).
+    # conversation trace (39% of its requests repeat >= 2 leading 512-token blocks, i.e. more than the
+    # shared block 0).
     mean_turns: float = 5.0
     max_turns: int = 30
     # New user message per turn, tokens (lognormal mean / sigma); ShareGPT-like questions of ~100-200 tokens.
@@ -309,7 +310,7 @@ class AgentConfig(WorkloadConfig):
 
     name: ClassVar[str] = "agent"
     description: ClassVar[str] = "multi-hop tool-calling tasks on long shared tool prefixes"
-    # Tasks/s at rate_scale 1 (Poisson); ≈ 4.3 steps each → ≈ 9 req/s of ~7k-token prompts, mostly cached.
+    # Tasks/s at rate_scale 1 (Poisson); ≈ 3.9 steps each → ≈ 7.7 req/s of ~7k-token prompts, mostly cached.
     task_rate: float = 2.0
     # A few hot tool manifests / agent instructions (Zipf 1.2: the hottest gets ~45% of tasks of 6), the
     # skew behind the paper's §5.2 hot-prefix failure case.
@@ -322,7 +323,7 @@ class AgentConfig(WorkloadConfig):
     # The task's user query, tokens (lognormal mean).
     query_mean: float = 200.0
     query_sigma: float = 0.8
-    # Steps (LLM calls) per task: 1 + geometric with mean ``mean_steps`` (multi-hop), capped.
+    # Steps (LLM calls) per task: geometric (>= 1) with mean ``mean_steps`` (multi-hop), capped.
     mean_steps: float = 4.0
     max_steps: int = 16
     # Output per step (tool call or final answer), tokens: Mooncake tool-agent trace mean output 182.

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from itertools import accumulate, groupby, takewhile
-from operator import and_
+from itertools import groupby
 
 __all__ = ["ApproxPrefixIndex", "PrefixIndex", "match_chain"]
 
@@ -38,30 +37,29 @@ def match_chain(masks: dict[int, int], chain: Sequence[int], num_instances: int)
 
     ``masks`` maps a block id to the bitmask of instances holding it (no zero masks). Prefix
     semantics: block ``j`` counts for instance ``i`` only if ``i`` holds blocks ``0..j``. One walk:
-    the running AND of the masks ("alive" instances) is computed with C-level iterators
-    (``map``/``accumulate``/``takewhile``) and stops at the first block that no alive instance holds;
-    the lengths are read off the (at most ``num_instances + 1``) runs of equal alive masks. Pure.
+    the block masks are looked up lazily (``map``) and grouped into runs of equal masks
+    (``groupby``, both C-level), the "alive" mask is ANDed once per run and the instances whose bits
+    drop get the current position as their length; the walk stops at the first block that no alive
+    instance holds. Cost: one dict lookup per walked block plus Python work per run of equal masks
+    and per instance that was ever alive. Pure.
     """
     lengths = [0] * num_instances
-    if num_instances <= 0 or not chain:
+    if num_instances <= 0:
         return lengths
-    full = (1 << num_instances) - 1
-    get = masks.get
-    # alive[j] = instances holding blocks 0..j (non-increasing as sets, hence as ints); stop at 0/None.
-    first = get(chain[0])
-    if first is None or not first & full:
-        return lengths
-    held = takewhile(bool, map(get, chain))  # None (missing) and 0 both end the walk
-    alive = list(takewhile(bool, accumulate(held, and_, initial=first & full)))
-    # alive[0] is the initial mask (before block 0 is re-ANDed with itself); alive[j + 1] covers 0..j.
-    pos = 0
-    prev = -1
-    for mask, run in groupby(alive):
-        if prev >= 0:
-            _record(lengths, prev & ~mask, pos - 1)
+    alive = (1 << num_instances) - 1
+    pos = 0  # blocks walked so far; every alive instance holds chain[:pos]
+    for mask, run in groupby(map(masks.get, chain)):
+        if mask is None:  # nobody holds this block
+            break
+        new = alive & mask
+        if new != alive:
+            if pos:
+                _record(lengths, alive ^ new, pos)
+            alive = new
+            if not alive:
+                return lengths
         pos += len(list(run))
-        prev = mask
-    _record(lengths, prev, pos - 1)
+    _record(lengths, alive, pos)
     return lengths
 
 

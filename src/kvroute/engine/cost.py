@@ -647,8 +647,9 @@ class ProfileCostModel:
     """Step time from per-layer kernel tables (see the module docstring for the composition).
 
     ``tp``: tensor-parallel degree the tables were profiled at (adds two all-reduces per layer over
-    ``link``). Per-token sums are precomputed for 0…``table_tokens`` tokens, so a call costs one list
-    index plus the attention lookup.
+    ``link``). Per-token sums are precomputed for 0…``table_tokens`` tokens as running maxima (so more
+    tokens never cost less despite profiling noise), so a call costs one list index plus the attention
+    lookup; beyond ``table_tokens`` the tables are interpolated/extrapolated directly.
     """
 
     def __init__(
@@ -679,15 +680,18 @@ class ProfileCostModel:
             nbytes = grid * model.hidden * model.dtype_bytes
             per = 2 * (tp - 1) * (link.latency_s + nbytes / (tp * link.bytes_per_s)) * 2e6
             layer_us = layer_us + per * L
-        self._layer_us: list[float] = layer_us.tolist()
-        self._step_us: list[float] = tables.step_dense.sample(g1).tolist()
+        # Running maxima: profiled kernels are noisy at small sizes (e.g. the v0 Llama table is faster at
+        # 32 tokens than at 16), and a step with more work must not be predicted faster.
+        acc = np.maximum.accumulate
+        self._layer_us: list[float] = acc(layer_us).tolist()
+        self._step_us: list[float] = acc(tables.step_dense.sample(g1)).tolist()
         moe1 = np.zeros_like(grid)
         if tables.moe is not None and model.num_experts:
-            moe1 = np.array([self._moe_us(t, 1, 1) for t in grid]) * L
+            moe1 = acc(np.array([self._moe_us(t, 1, 1) for t in grid]) * L)
         self._moe1_us: list[float] = moe1.tolist()
         self._tok_us: list[float] = (np.asarray(self._layer_us) + self._step_us + moe1).tolist()
         self._tok_us[0] = 0.0
-        self._seq_us: list[float] = tables.step_sequences.sample(g1).tolist()
+        self._seq_us: list[float] = acc(tables.step_sequences.sample(g1)).tolist()
         self._seq_us[0] = 0.0
 
     # -- pieces (µs) -------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvroute.engine.memo import DecodeMemo
 from kvroute.engine.model import EngineModel
 from kvroute.engine.types import (
     BlockRemoved,
@@ -168,12 +169,14 @@ def _random_arrivals(rng: random.Random, n: int, shared: int) -> list[tuple[floa
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 10_000), blocks=st.sampled_from([60, 200, 5000]))
-def test_stretches_give_exactly_the_stepping_result(seed: int, blocks: int) -> None:
+@given(seed=st.integers(0, 10_000), blocks=st.sampled_from([60, 200, 5000]), memo=st.booleans())
+def test_stretches_give_exactly_the_stepping_result(seed: int, blocks: int, memo: bool) -> None:
+    """Bit-identical outputs, events and final state, with and without the memo's segments."""
     arrivals = _random_arrivals(random.Random(seed), 40, 3)
     cfg = EngineConfig(num_kv_blocks=blocks, max_num_seqs=8, max_num_batched_tokens=512)
-    fast = EngineModel(cfg, AffineCost())
-    slow = EngineModel(replace(cfg, report_tokens=True), AffineCost())
+    cost = DecodeMemo(AffineCost(), kv_quantum=16) if memo else AffineCost()
+    fast = EngineModel(cfg, cost)
+    slow = EngineModel(replace(cfg, report_tokens=True), cost)
     a = [(o.kind, o.req_id, o.time, o.num_cached_tokens) for o in drive(fast, arrivals)]
     b = [
         (o.kind, o.req_id, o.time, o.num_cached_tokens)
@@ -211,3 +214,17 @@ def test_counters_return_to_idle_under_aborts(seed: int) -> None:
     s = eng.stats()
     assert (s.running, s.waiting, s.used_blocks, s.queued_prefill_tokens) == (0, 0, 0, 0)
     eng.pool.check()
+
+
+def test_decode_memo_is_close_to_the_model_and_segments_are_consistent() -> None:
+    inner = AffineCost()
+    memo = DecodeMemo(inner, kv_quantum=16)
+    for n, kv in [(1, 100), (8, 8 * 1000), (64, 64 * 5000 + 7)]:
+        exact = inner.step_time((), n, kv)
+        assert memo.step_time((), n, kv) == pytest.approx(exact, rel=1e-3)
+        d, m = memo.decode_segment(n, kv)
+        assert 1 <= m <= 16
+        # the next m-1 steps (context sum + n each) cost exactly d; the one after does not share the bucket
+        assert all(memo.step_time((), n, kv + j * n) == d for j in range(m))
+        assert (kv + m * n) // n // 16 != kv // n // 16
+    assert memo.step_time(((100, 0),), 2, 10) == inner.step_time(((100, 0),), 2, 10)

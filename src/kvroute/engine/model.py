@@ -23,7 +23,6 @@ at a time (tested). ``stats()`` during a stretch reports block usage as of the s
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 
@@ -69,10 +68,15 @@ def _pending(seq: _Seq) -> int:
 
 @dataclass(slots=True)
 class _Step:
-    """The step (or stretch of ``len(ends)`` identical-batch decode steps) in progress."""
+    """The step, or stretch of ``steps`` identical-batch decode steps, in progress.
 
-    start: float
-    ends: list[float]  # end time of each step; the step in progress ends at ends[-1]
+    ``segs`` lists runs of equal-duration steps as ``(start, duration, count)``; the stretch ends at
+    ``end``, which is the start time plus each step's duration added one at a time (exactly the
+    float sum stepping would compute)."""
+
+    segs: list[tuple[float, float, int]]
+    end: float
+    steps: int
     work: list[tuple[_Seq, int]]  # (sequence, tokens computed in the first step)
 
 
@@ -137,17 +141,17 @@ class EngineModel:
     def next_time(self) -> float | None:
         """When the step in progress ends (the next time ``advance`` does something), or None
         when the engine is idle."""
-        return self._step.ends[-1] if self._step is not None else None
+        return self._step.end if self._step is not None else None
 
     def advance(self, now: float) -> list[EngineOutput]:
         """Complete every step ending at or before ``now`` (starting the next one back to back)
         and return the outputs produced, in time order."""
-        while self._step is not None and self._step.ends[-1] <= now:
+        while self._step is not None and self._step.end <= now:
             step = self._step
             self._step = None
             self._complete(step)
             if self._waiting or self._running:
-                self._start_step(step.ends[-1])
+                self._start_step(step.end)
         out, self._outputs = self._outputs, []
         return out
 
@@ -193,8 +197,8 @@ class EngineModel:
                 decode_kv += seq.computed
             else:
                 prefill.append((n, seq.computed))
-        end = now + self.cost.step_time(prefill, num_decode, decode_kv)
-        step = _Step(now, [end], work)
+        d = self.cost.step_time(prefill, num_decode, decode_kv)
+        step = _Step([(now, d, 1)], now + d, 1, work)
         if not prefill and not preempted and not self.config.report_tokens:
             self._plan_stretch(step, num_decode, decode_kv)
         self._step = step
@@ -283,12 +287,25 @@ class EngineModel:
             k = lo
         if k < 2:
             return
+        segment = getattr(self.cost, "decode_segment", None)
         step_time = self.cost.step_time
-        ends = step.ends
-        t = ends[0]
-        for j in range(1, k):
-            t += step_time((), num_decode, decode_kv + j * num_decode)
-            ends.append(t)
+        segs = step.segs
+        t = step.end
+        j = 1
+        while j < k:
+            kv = decode_kv + j * num_decode
+            if segment is None:
+                d, m = step_time((), num_decode, kv), 1
+            else:
+                d, m = segment(num_decode, kv)
+                m = min(m, k - j)
+            t0 = t
+            for _ in range(m):
+                t += d
+            segs.append((t0, d, m))
+            j += m
+        step.end = t
+        step.steps = k
 
     def _admissible(self) -> bool:
         """Whether the head of the waiting queue could be admitted in the next step."""
@@ -307,16 +324,26 @@ class EngineModel:
     def _cut_stretch(self, now: float) -> None:
         """Shorten the stretch in progress so that it ends at the first step boundary >= now."""
         step = self._step
-        if step is None or len(step.ends) == 1:
+        if step is None or step.steps == 1 or now >= step.end:
             return
-        j = bisect_left(step.ends, now)
-        if j < len(step.ends) - 1:
-            del step.ends[j + 1 :]
+        steps = 0
+        for s, (t0, d, m) in enumerate(step.segs):
+            t, j = t0, 0
+            while j < m and (t < now or (s == 0 and j == 0)):
+                t += d
+                j += 1
+            steps += j
+            if j < m or t >= now:
+                del step.segs[s + 1 :]
+                step.segs[s] = (t0, d, j)
+                step.end = t
+                step.steps = steps
+                return
 
     # -- completion ---------------------------------------------------------------------------
     def _complete(self, step: _Step) -> None:
-        steps = len(step.ends)
-        t = step.ends[-1]
+        steps = step.steps
+        t = step.end
         pool, bs = self.pool, self.pool.block_size
         outputs = self._outputs
         report = self.config.report_tokens

@@ -38,9 +38,7 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-tokens", type=int, default=None, help="KV capacity per instance in tokens")
     p.add_argument("--kv-view", default="exact", help="router's KV view: exact (KV events) or approx")
     p.add_argument("--scrape-interval", type=float, default=0.05, help="seconds between load copies")
-    p.add_argument(
-        "--event-delay", type=float, default=0.002, help="seconds before KV events reach the router"
-    )
+    p.add_argument("--event-delay", type=float, default=0.002, help="seconds before KV events arrive")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,88 +49,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def load_profile(args: argparse.Namespace) -> Any:
-    from kvroute.engine.cost import DEFAULT_PROFILE, get_profile, profile_from_dir
+def spec_from_args(args: argparse.Namespace, policy: str, rate_scale: float | None = None) -> Any:
+    from kvroute.sim.runner import RunSpec
 
-    if args.profile and args.profile_dir:
-        raise UserError("give --profile or --profile-dir, not both")
-    if args.profile_dir:
-        return profile_from_dir(args.profile_dir, tp=args.tp)
-    return get_profile(args.profile or DEFAULT_PROFILE)
-
-
-def sim_config(args: argparse.Namespace, policy: str, kv_tokens: int) -> Any:
-    from kvroute.sim.cluster import SimConfig
-
-    cfg = SimConfig(
-        instances=args.instances,
+    return RunSpec(
         policy=policy,
-        kv_capacity_tokens=args.kv_tokens or kv_tokens,
+        instances=args.instances,
+        trace=args.trace,
+        fmt=args.format,
+        workload=args.workload,
+        rate_scale=args.rate_scale if rate_scale is None else rate_scale,
+        duration=args.duration,
+        seed=args.seed,
+        skip_bad_lines=args.skip_bad_lines,
+        profile=args.profile,
+        profile_dir=args.profile_dir,
+        tp=args.tp,
+        kv_tokens=args.kv_tokens,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_view=args.kv_view,
         scrape_interval=args.scrape_interval,
         event_delay=args.event_delay,
-        seed=args.seed,
     )
-    cfg.check()
-    return cfg
 
 
-def simulate(args: argparse.Namespace, policy_name: str, progress: bool = False) -> dict[str, Any]:
-    """One run: the summary dict of the command-line contract (plus workload details)."""
-    import random
+def run_with_progress(spec: Any, show: bool) -> dict[str, Any]:
+    """Run one spec, with a transient progress line on a terminal."""
+    from kvroute.sim.runner import run_spec
 
-    from kvroute.policies.registry import make_policy
-    from kvroute.sim.cluster import ClusterSim
-    from kvroute.workloads import open_workload
+    if not show:
+        return run_spec(spec)
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    if args.trace is None and args.workload is None:
-        raise UserError("give --trace FILE or --workload NAME")
-    profile = load_profile(args)
-    cfg = sim_config(args, policy_name, profile.kv_capacity_tokens)
-    policy = make_policy(policy_name, random.Random(args.seed))
-    stream, stats = open_workload(
-        args.trace, args.format, args.workload, args.rate_scale, args.duration, args.seed, args.skip_bad_lines
-    )
-    sim = ClusterSim(cfg, policy, profile.cost)
-    if progress:
-        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True
+    ) as bar:
+        task = bar.add_task(f"{spec.policy}: starting")
 
-        with Progress(
-            SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True
-        ) as bar:
-            task = bar.add_task(f"{policy_name}: starting")
+        def report(t: float, routed: int, done: int) -> None:
+            bar.update(
+                task, description=f"{spec.policy}: {t:,.0f} s simulated, {routed:,} routed, {done:,} done"
+            )
 
-            def report(t: float, routed: int, done: int) -> None:
-                bar.update(
-                    task, description=f"{policy_name}: sim {t:,.0f} s, {routed:,} routed, {done:,} done"
-                )
-
-            out = sim.run(stream, report)
-    else:
-        out = sim.run(stream)
-    out["profile"] = profile.name
-    out["workload"] = args.trace or args.workload
-    out["rate_scale"] = args.rate_scale
-    out["skipped_lines"] = stats.bad_lines
-    return out
-
-
-def command_line(args: argparse.Namespace, policy: str) -> str:
-    """The `kvroute sim` command that reproduces one run."""
-    parts = ["kvroute sim"]
-    parts += [f"--trace {args.trace}"] if args.trace else [f"--workload {args.workload}"]
-    if args.duration:
-        parts.append(f"--duration {args.duration:g}")
-    if args.rate_scale != 1.0:
-        parts.append(f"--rate-scale {args.rate_scale:g}")
-    parts += [f"--instances {args.instances}", f"--policy {policy}"]
-    if args.seed:
-        parts.append(f"--seed {args.seed}")
-    if args.profile:
-        parts.append(f"--profile {args.profile}")
-    return " ".join(parts)
+        return run_spec(spec, report)
 
 
 def print_summary(out: dict[str, Any]) -> None:
@@ -144,15 +104,21 @@ def print_summary(out: dict[str, Any]) -> None:
         f"{out['sim_seconds']:,.1f} s simulated in {out['wall_seconds']:.1f} s wall "
         f"({out['sim_seconds'] / max(out['wall_seconds'], 1e-9):,.0f}x real time)"
     )
+    if out.get("skipped_lines"):
+        print(f"skipped {out['skipped_lines']} bad trace lines")
+
+
+def write_json(path: str, data: Any) -> None:
+    try:
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror}") from None
 
 
 def run(args: argparse.Namespace) -> int:
-    show = not args.no_progress and sys.stderr.isatty()
-    out = simulate(args, args.policy, progress=show)
+    spec = spec_from_args(args, args.policy)
+    out = run_with_progress(spec, show=not args.no_progress and sys.stderr.isatty())
     print_summary(out)
     if args.json:
-        try:
-            Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
-        except OSError as exc:
-            raise UserError(f"cannot write {args.json}: {exc.strerror}") from None
+        write_json(args.json, out)
     return 0

@@ -1,0 +1,108 @@
+"""One simulation run from a picklable spec: what `kvroute sim`, `kvroute compare` (in worker
+processes) and the benchmarks call."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvroute.errors import UserError
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpec:
+    """Everything that defines a run. Exactly one of ``trace``/``workload``; exactly one (or none:
+    the default profile) of ``profile``/``profile_dir``. ``kv_tokens`` overrides the profile's KV
+    capacity per instance (tokens). Times in seconds."""
+
+    policy: str = "lmetric"
+    instances: int = 16
+    trace: str | None = None
+    fmt: str = "auto"
+    workload: str | None = None
+    rate_scale: float = 1.0
+    duration: float | None = None
+    seed: int = 0
+    skip_bad_lines: bool = False
+    profile: str | None = None
+    profile_dir: str | None = None
+    tp: int = 1
+    kv_tokens: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    kv_view: str = "exact"
+    scrape_interval: float = 0.05
+    event_delay: float = 0.002
+
+    def command_line(self) -> str:
+        """The `kvroute sim` command that reproduces this run."""
+        parts = ["kvroute sim"]
+        parts.append(f"--trace {self.trace}" if self.trace else f"--workload {self.workload}")
+        if self.fmt != "auto":
+            parts.append(f"--format {self.fmt}")
+        if self.duration:
+            parts.append(f"--duration {self.duration:g}")
+        if self.rate_scale != 1.0:
+            parts.append(f"--rate-scale {self.rate_scale:g}")
+        parts += [f"--instances {self.instances}", f"--policy {self.policy}"]
+        defaults = RunSpec()
+        for name in (
+            "seed",
+            "profile",
+            "profile_dir",
+            "kv_tokens",
+            "kv_view",
+            "scrape_interval",
+            "event_delay",
+        ):
+            value = getattr(self, name)
+            if value != getattr(defaults, name):
+                parts.append(f"--{name.replace('_', '-')} {value}")
+        return " ".join(parts)
+
+
+def load_profile(spec: RunSpec) -> Any:
+    from kvroute.engine.cost import DEFAULT_PROFILE, get_profile, profile_from_dir
+
+    if spec.profile and spec.profile_dir:
+        raise UserError("give --profile or --profile-dir, not both")
+    if spec.profile_dir:
+        return profile_from_dir(spec.profile_dir, tp=spec.tp)
+    return get_profile(spec.profile or DEFAULT_PROFILE)
+
+
+def run_spec(spec: RunSpec, progress: Callable[[float, int, int], None] | None = None) -> dict[str, Any]:
+    """Run one simulation; returns the contract's summary dict plus ``profile``, ``workload``,
+    ``rate_scale``, ``skipped_lines`` and ``command``."""
+    from kvroute.policies.registry import make_policy
+    from kvroute.sim.cluster import ClusterSim, SimConfig
+    from kvroute.workloads import open_workload
+
+    if spec.trace is None and spec.workload is None:
+        raise UserError("give --trace FILE or --workload NAME")
+    profile = load_profile(spec)
+    cfg = SimConfig(
+        instances=spec.instances,
+        policy=spec.policy,
+        kv_capacity_tokens=spec.kv_tokens or profile.kv_capacity_tokens,
+        max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        kv_view=spec.kv_view,
+        scrape_interval=spec.scrape_interval,
+        event_delay=spec.event_delay,
+        seed=spec.seed,
+    )
+    cfg.check()
+    policy = make_policy(spec.policy, random.Random(spec.seed))
+    stream, stats = open_workload(
+        spec.trace, spec.fmt, spec.workload, spec.rate_scale, spec.duration, spec.seed, spec.skip_bad_lines
+    )
+    out = ClusterSim(cfg, policy, profile.cost).run(stream, progress)
+    out["profile"] = profile.name
+    out["workload"] = spec.trace or spec.workload
+    out["rate_scale"] = spec.rate_scale
+    out["skipped_lines"] = stats.bad_lines
+    out["command"] = spec.command_line()
+    return out

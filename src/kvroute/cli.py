@@ -9,6 +9,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
 from kvroute.errors import UserError
 
@@ -31,8 +32,8 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{self.prog}: {message}")
 
 
-def _available() -> dict[str, object]:
-    mods = {}
+def _available() -> dict[str, ModuleType]:
+    mods: dict[str, ModuleType] = {}
     for name, mod in COMMANDS.items():
         try:
             mods[name] = importlib.import_module(f"kvroute.commands.{mod}")

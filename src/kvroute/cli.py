@@ -48,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, mod in _available().items():
         p = sub.add_parser(name, help=getattr(mod, "HELP", ""), description=getattr(mod, "HELP", ""))
-        mod.add_arguments(p)  # type: ignore[attr-defined]
-        p.set_defaults(_run=mod.run)  # type: ignore[attr-defined]
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
     return parser
 
 

@@ -137,4 +137,6 @@ class CostModel(Protocol):
 
     name: str
 
-    def step_time(self, prefill: Sequence[tuple[int, int]], num_decode: int, decode_kv_tokens: int) -> float: ...
+    def step_time(
+        self, prefill: Sequence[tuple[int, int]], num_decode: int, decode_kv_tokens: int
+    ) -> float: ...

@@ -124,6 +124,7 @@ class RouterServer:
             "status": "ok" if healthy else "unavailable",
             "healthy_backends": healthy,
             "backends": len(self.core.backends),
+            "policy": self.core.policy.name,
         }
         return web.Response(
             status=200 if healthy else 503, body=orjson.dumps(body), content_type="application/json"

@@ -1,0 +1,243 @@
+"""Unit tests of the router's parts: config, metrics parsing and merge, leases, KV view, event gaps."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.asyncio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvroute.blocks import hash_blocks
+from kvroute.engine.types import AllBlocksCleared, BlockRemoved, BlockStored
+from kvroute.errors import UserError
+from kvroute.kvevents import END_SEQ, encode_batch, encode_seq
+from kvroute.server.backends import BackendState, Lease, ScrapedMetrics, parse_vllm_metrics
+from kvroute.server.config import BackendSpec, RouterConfig, config_from_mapping, load_config_file
+from kvroute.server.events import EventSubscriber
+from kvroute.server.kvview import KVView
+from kvroute.server.proxy import extract_cached_tokens
+
+# ---- config --------------------------------------------------------------------------------------
+
+
+def test_yaml_config_roundtrip(tmp_path: Path) -> None:
+    f = tmp_path / "r.yaml"
+    f.write_text(
+        "backends:\n"
+        "  - url: http://10.0.0.1:8000/v1/\n"
+        "    kv_events: tcp://10.0.0.1:5557\n"
+        "    kv_replay: tcp://10.0.0.1:5558\n"
+        "  - http://10.0.0.2:8000\n"
+        "policy: round-robin\nmax_body_bytes: 2048\nscrape_interval_s: 1\n"
+    )
+    cfg = load_config_file(f).validate()
+    assert cfg.backends == (
+        BackendSpec("http://10.0.0.1:8000", "tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558"),
+        BackendSpec("http://10.0.0.2:8000"),
+    )
+    assert cfg.policy == "round-robin" and cfg.max_body_bytes == 2048 and cfg.scrape_interval_s == 1.0
+
+
+@pytest.mark.parametrize(
+    ("data", "msg"),
+    [
+        ({"backends": ["http://a:1"], "polcy": "x"}, "unknown key 'polcy'"),
+        ({"backends": ["ftp://a"]}, "must look like http"),
+        ({"backends": [{"url": "http://a:1", "kv_events": "http://x"}]}, "kv_events must be"),
+        ({"backends": ["http://a:1"], "port": "80"}, "port must be a int"),
+        ({"backends": ["http://a:1"], "max_retries": True}, "max_retries must be a int"),
+    ],
+)
+def test_bad_config_names_the_key(data: dict[str, object], msg: str) -> None:
+    with pytest.raises(UserError, match=msg):
+        config_from_mapping(data)
+
+
+def test_config_validate_ranges() -> None:
+    with pytest.raises(UserError, match="at least one backend"):
+        RouterConfig(backends=()).validate()
+    with pytest.raises(UserError, match="scrape_interval_s"):
+        RouterConfig(backends=(BackendSpec("http://a:1"),), scrape_interval_s=0).validate()
+
+
+# ---- metrics and load view ------------------------------------------------------------------------
+
+VLLM_METRICS = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+vllm:num_requests_waiting_by_reason{reason="x"} 100.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:cache_config_info{block_size="16",num_gpu_blocks="4096"} 1.0
+"""
+
+
+def test_parse_vllm_metrics() -> None:
+    m = parse_vllm_metrics(VLLM_METRICS, at=5.0)
+    assert m == ScrapedMetrics(running=4, waiting=2, kv_usage=0.25, at=5.0, num_kv_blocks=4096)
+    assert parse_vllm_metrics(b"other_metric 1\n", at=0.0) is None
+
+
+def test_merge_takes_larger_total_without_double_counting() -> None:
+    b = BackendState(0, "http://a:1")
+    Lease(b, 100)
+    Lease(b, 50)  # router: 2 waiting, 150 queued prefill tokens
+    b.scraped = ScrapedMetrics(running=1, waiting=0, kv_usage=0.5, at=10.0)
+    v = b.view(now=10.01, stale_s=1.0)
+    # The engine runs one of our two requests (prefilling): BS stays 2, split 1 running + 1 waiting.
+    assert (v.running, v.waiting, v.queued_prefill_tokens, v.kv_usage) == (1, 1, 150, 0.5)
+    b.scraped = ScrapedMetrics(running=5, waiting=3, kv_usage=0.9, at=10.0)  # other clients' traffic too
+    v = b.view(now=10.01, stale_s=1.0)
+    assert (v.running, v.waiting) == (5, 3)
+    v = b.view(now=12.0, stale_s=1.0)  # stale scrape: router counters only
+    assert (v.running, v.waiting, v.kv_usage) == (0, 2, 0.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 2), st.integers(0, 500)), max_size=40))
+def test_leases_always_return_counters_to_zero(ops: list[tuple[int, int, int]]) -> None:
+    b = BackendState(0, "http://a:1")
+    leases: list[Lease] = []
+    for pick, action, tokens in ops:
+        if action == 0 or not leases:
+            leases.append(Lease(b, tokens))
+        elif action == 1:
+            leases[pick % len(leases)].first_byte()
+        else:
+            leases[pick % len(leases)].release()
+        assert b.waiting >= 0 and b.running >= 0 and b.queued_prefill >= 0
+    for lease in leases:
+        lease.release()
+        lease.release()
+    assert (b.waiting, b.running, b.queued_prefill) == (0, 0, 0)
+
+
+def test_health_ejection_and_readmission() -> None:
+    b = BackendState(0, "http://a:1")
+    assert not b.check_failed(eject_after=2) and b.healthy
+    assert b.check_failed(eject_after=2) and not b.healthy
+    assert not b.check_passed(readmit_after=2) and not b.healthy
+    assert b.check_passed(readmit_after=2) and b.healthy
+
+
+def test_extract_cached_tokens_from_stream_tail_and_json() -> None:
+    tail = (
+        b'data: {"choices":[{"text":"x"}]}\n\ndata: {"choices":[],"usage":{"prompt_tokens":40,'
+        b'"prompt_tokens_details":{"cached_tokens":32}}}\n\ndata: [DONE]\n\n'
+    )
+    assert extract_cached_tokens(tail) == 32
+    assert extract_cached_tokens(b'{"usage": {"prompt_tokens_details": {"cached_tokens": 16}}}') == 16
+    assert extract_cached_tokens(b'data: {"usage": null}\n\n') is None
+    assert extract_cached_tokens(b'data: {"cached_tokens": 5, broken\n\n') is None
+
+
+# ---- KV view ------------------------------------------------------------------------------------
+
+
+def tokens(n: int, base: int = 0) -> list[int]:
+    return [base + i for i in range(n)]
+
+
+def stored(engine_hashes: list[int], parent: int | None, toks: list[int]) -> BlockStored:
+    return BlockStored(tuple(engine_hashes), parent, tuple(toks), 16)
+
+
+def test_exact_view_rebuilds_router_hashes_from_token_ids() -> None:
+    kv = KVView(2, 16, capacity_blocks=100, ttl_s=None, recovery_s=5.0, exact_backends=[1])
+    toks = tokens(64)
+    chain = hash_blocks(toks, 16)
+    # Engine 1 stores the prompt in two events with its own (private) hashes, the second chained.
+    kv.apply_events(1, [stored([901, 902], None, toks[:32]), stored([903, 904], 902, toks[32:])])
+    assert kv.match(chain, now=0.0) == [0, 4]
+    kv.apply_events(1, [BlockRemoved((903,))])
+    assert kv.match(chain, now=0.0) == [0, 2]
+    kv.apply_events(1, [stored([999], 12345, toks[:16])])  # unknown parent: skipped
+    assert kv.skipped_blocks == 1
+    kv.apply_events(1, [AllBlocksCleared()])
+    assert kv.match(chain, now=0.0) == [0, 0]
+
+
+def test_gap_reset_falls_back_to_history_then_back_to_exact() -> None:
+    kv = KVView(2, 16, capacity_blocks=100, ttl_s=None, recovery_s=5.0, exact_backends=[0, 1])
+    chain = hash_blocks(tokens(48), 16)
+    kv.on_routed(0, chain, now=1.0)  # routing history says backend 0 holds it
+    assert kv.match(chain, now=1.0) == [0, 0]  # exact mode: no events yet → nothing cached
+    kv.reset(0, now=2.0)
+    assert kv.mode(0, 3.0) == "recovering"
+    assert kv.match(chain, now=3.0) == [3, 0]  # recovering: max(exact, approximate)
+    assert kv.mode(0, 7.5) == "exact" and kv.match(chain, now=7.5) == [0, 0]
+
+
+def test_usage_correction_shrinks_and_grows_capacity() -> None:
+    kv = KVView(1, 16, capacity_blocks=1000, ttl_s=None, recovery_s=0.0)
+    chains = [hash_blocks(tokens(160, base=1000 * i), 16) for i in range(10)]  # 10 blocks each
+    for t, c in enumerate(chains):
+        kv.on_routed(0, c, now=float(t))
+    assert kv.approx.num_blocks(0) == 100
+    # The engine had only 2 of the 10 blocks we predicted: shrink capacity, evicting the oldest chains.
+    kv.on_usage(0, chains[-1], cached_tokens=32, predicted_blocks=10, now=11.0)
+    assert kv.approx.capacity(0) == 90 and kv.approx.num_blocks(0) == 90
+    assert kv.match(chains[0], now=11.0) == [0] and kv.match(chains[-1], now=11.0) == [10]
+    kv.on_usage(0, chains[-1], cached_tokens=160, predicted_blocks=4, now=12.0)
+    assert kv.approx.capacity(0) == 96
+    kv.on_usage(0, chains[-1], cached_tokens=64, predicted_blocks=4, now=13.0)  # matches: no change
+    assert kv.corrections == 2
+
+
+# ---- event subscriber: gaps and replay -----------------------------------------------------------
+
+
+def batch(events: list[BlockStored]) -> bytes:
+    return encode_batch(1.0, events, fmt="map")
+
+
+async def test_gap_without_replay_resets_backend() -> None:
+    kv = KVView(1, 16, capacity_blocks=100, ttl_s=None, recovery_s=5.0, exact_backends=[0])
+    ctx = zmq.asyncio.Context()
+    try:
+        sub = EventSubscriber(ctx, 0, "tcp://127.0.0.1:1", None, kv, clock=lambda: 1.0)
+        toks = tokens(32)
+        await sub.handle(encode_seq(0), batch([stored([1, 2], None, toks)]))
+        assert kv.match(hash_blocks(toks, 16), 1.0) == [2]
+        await sub.handle(encode_seq(5), batch([]))  # batches 1..4 lost
+        assert (sub.gaps, sub.resets, sub.last_seq) == (1, 1, 5)
+        assert kv.mode(0, 1.0) == "recovering" and kv.match(hash_blocks(toks, 16), 1.0) == [0]
+        await sub.handle(encode_seq(2), batch([]))  # numbering went back: engine restarted
+        assert sub.resets == 2
+    finally:
+        ctx.term()
+
+
+async def test_gap_is_filled_from_replay_socket() -> None:
+    kv = KVView(1, 16, capacity_blocks=100, ttl_s=None, recovery_s=5.0, exact_backends=[0])
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    toks = tokens(48)
+    history = {1: batch([stored([11], None, toks[:16])]), 2: batch([stored([12], 11, toks[16:32])])}
+
+    async def serve_replay() -> None:
+        ident, _empty, start = await router.recv_multipart()
+        s = int.from_bytes(start, "big")
+        for seq in sorted(history):
+            if seq >= s:
+                await router.send_multipart([ident, b"", encode_seq(seq), history[seq]])
+        await router.send_multipart([ident, b"", END_SEQ, b""])
+
+    server = asyncio.create_task(serve_replay())
+    try:
+        sub = EventSubscriber(ctx, 0, "tcp://127.0.0.1:1", f"tcp://127.0.0.1:{port}", kv, clock=lambda: 1.0)
+        await sub.handle(encode_seq(0), batch([]))
+        await sub.handle(encode_seq(3), batch([stored([13], 12, toks[32:])]))
+        await server
+        assert (sub.gaps, sub.replayed, sub.resets) == (1, 2, 0)
+        assert kv.mode(0, 1.0) == "exact" and kv.match(hash_blocks(toks, 16), 1.0) == [3]
+    finally:
+        server.cancel()
+        router.close(0)
+        ctx.term()

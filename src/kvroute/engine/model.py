@@ -44,20 +44,17 @@ class _Seq:
     the request's known tokens are ``prompt_len + out``; it is decoding when ``computed`` is one
     short of that, prefilling when further behind."""
 
-    __slots__ = ("cached_tokens", "computed", "held", "nblocks", "out", "req", "stepping")
+    __slots__ = ("cached_tokens", "computed", "held", "known", "nblocks", "out", "req", "stepping")
 
     def __init__(self, req: EngineRequest) -> None:
         self.req = req
         self.computed = 0
         self.out = 0
+        self.known = req.prompt_len  # prompt_len + out, kept in step with out
         self.held: list[int] = []  # cached block hashes referenced (a prefix of req.block_hashes)
         self.nblocks = 0  # blocks held: len(held) + private
         self.cached_tokens = 0
         self.stepping = False  # part of the step in progress
-
-    @property
-    def known(self) -> int:
-        return self.req.prompt_len + self.out
 
 
 def _pending(seq: _Seq) -> int:
@@ -192,11 +189,12 @@ class EngineModel:
         num_decode = 0
         decode_kv = 0
         for seq, n in work:
-            if seq.out and seq.known - seq.computed == 1:
+            computed = seq.computed
+            if n == 1 and seq.out and seq.known - computed == 1:
                 num_decode += 1
-                decode_kv += seq.computed
+                decode_kv += computed
             else:
-                prefill.append((n, seq.computed))
+                prefill.append((n, computed))
         d = self.cost.step_time(prefill, num_decode, decode_kv)
         step = _Step([(now, d, 1)], now + d, 1, work)
         if not prefill and not preempted and not self.config.report_tokens:
@@ -211,24 +209,30 @@ class EngineModel:
         running = self._running
         preempted = False
         i = 0
+        append = work.append
         while i < len(running) and budget > 0:
             seq = running[i]
-            n = min(seq.known - seq.computed, budget)
-            need = -(-(seq.computed + n) // bs) - seq.nblocks
-            while not pool.allocate(need):
-                victim = running.pop()
-                self._preempt(victim, now)
-                preempted = True
-                if victim is seq:
+            computed = seq.computed
+            n = seq.known - computed
+            if n > budget:
+                n = budget
+            need = (computed + n + bs - 1) // bs - seq.nblocks
+            if need > 0:
+                lost = False
+                while not pool.allocate(need):
+                    victim = running.pop()
+                    self._preempt(victim, now)
+                    preempted = True
+                    if victim is seq:
+                        lost = True
+                        break
+                if lost:
                     break
-            else:
-                seq.nblocks += max(need, 0)
-                seq.stepping = True
-                work.append((seq, n))
-                budget -= n
-                i += 1
-                continue
-            break
+                seq.nblocks += need
+            seq.stepping = True
+            append((seq, n))
+            budget -= n
+            i += 1
         if preempted:
             return work, True
         waiting = self._waiting
@@ -353,11 +357,28 @@ class EngineModel:
                 continue  # aborted or preempted meanwhile
             seq.stepping = False
             if steps > 1:  # a decode stretch: allocate the blocks its later steps used
-                n = steps
-                need = -(-(seq.computed + n) // bs) - seq.nblocks
+                computed = seq.computed + steps
+                need = (computed + bs - 1) // bs - seq.nblocks
                 if need > 0:
                     pool.allocate(need)
                     seq.nblocks += need
+                seq.computed = computed
+                seq.out += steps
+                seq.known += steps
+                if seq.out >= seq.req.output_len:
+                    finished.append(seq)
+                continue
+            if n == 1 and seq.out and seq.known - seq.computed == 1:  # one decode step: the hot path
+                seq.computed += 1
+                seq.out += 1
+                seq.known += 1
+                if report:
+                    outputs.append(
+                        EngineOutput(OutputKind.TOKEN, seq.req.req_id, t, seq.out, seq.cached_tokens)
+                    )
+                if seq.out >= seq.req.output_len:
+                    finished.append(seq)
+                continue
             pending = _pending(seq)
             before = seq.computed
             seq.computed = before + n
@@ -375,9 +396,11 @@ class EngineModel:
                 continue  # prefill chunk done, prompt not complete
             if seq.out == 0:
                 seq.out = 1
+                seq.known += 1
                 outputs.append(EngineOutput(OutputKind.FIRST_TOKEN, seq.req.req_id, t, 1, seq.cached_tokens))
-            else:
-                seq.out += n if steps > 1 else 1
+            else:  # the token that ends a recompute (after preemption)
+                seq.out += 1
+                seq.known += 1
                 if report:
                     outputs.append(
                         EngineOutput(OutputKind.TOKEN, seq.req.req_id, t, seq.out, seq.cached_tokens)

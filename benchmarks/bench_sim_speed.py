@@ -21,6 +21,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 from benchmarks.common import ROOT, SHARED, table, write
 from kvroute.sim.runner import RunSpec, run_spec
@@ -50,7 +51,7 @@ def _million() -> dict[str, float]:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        out = json.loads(open(f.name).read())
+        out = json.loads(Path(f.name).read_text())
     return {
         "requests": out["requests"],
         "unfinished": out["unfinished"],

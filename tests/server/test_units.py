@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import zmq
 import zmq.asyncio
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvroute.blocks import hash_blocks
@@ -241,3 +241,56 @@ async def test_gap_is_filled_from_replay_socket() -> None:
         server.cancel()
         router.close(0)
         ctx.term()
+
+
+# ---- segmented tokenization ------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(
+        st.sampled_from(
+            [
+                "the",
+                " cat",
+                "  ",
+                "\n",
+                "é",
+                "e\u0301",
+                "'s",
+                "12",
+                "--",
+                " ",
+                "Über",
+                "x.",
+                "\t",
+                "日本",
+                " a",
+                "!",
+                "don't",
+                "  x",
+            ]
+        ),
+        min_size=50,
+        max_size=600,
+    )
+)
+def test_segmented_prompt_tokens_equal_whole_prompt_tokens(tokenizer: object, parts: list[str]) -> None:
+    from kvroute.server.tokenize import RequestTokenizer
+
+    rt = RequestTokenizer(tokenizer, cache_entries=100)  # type: ignore[arg-type]
+    text = "".join(parts) * 3
+    assert list(rt.prompt(text)) == rt.tokenizer.encode(text)
+
+
+def test_segments_are_shared_by_equal_prefixes(tokenizer: object) -> None:
+    from kvroute.server.tokenize import RequestTokenizer, split_points
+
+    rt = RequestTokenizer(tokenizer, cache_entries=100)  # type: ignore[arg-type]
+    base = "alpha beta gamma delta " * 200
+    a, b = base + "first question here", base + "another one entirely"
+    assert split_points(a)[:-1] == split_points(b)[:-1]
+    rt.prompt(a)
+    misses = rt.misses
+    assert list(rt.prompt(b)) == rt.tokenizer.encode(b)
+    assert rt.misses == misses + 1 and rt.hits >= len(split_points(b)) - 1

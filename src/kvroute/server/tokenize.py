@@ -3,6 +3,15 @@
 Chat requests are tokenized message by message (``Tokenizer.message_tokens`` is a pure function of
 ``(role, content)`` for ChatML tokenizers), so the earlier turns of a conversation hit the cache and
 only the new message is tokenized. The cache is a bounded LRU owned by one router (no global state).
+
+Long completion prompts are tokenized in *segments* of about ``SEGMENT_CHARS`` characters, each cached
+under its text. A segment ends at the first *safe split* at or after ``start + SEGMENT_CHARS``: a
+position ``i`` with ``text[i] == " "``, ``text[i + 1]`` a letter and ``text[i - 1]`` not whitespace.
+The GPT-style pre-tokenizer regex (Qwen, Llama 3, GPT-4) always starts a new pre-token there (the
+``" word"`` alternative) and no earlier pre-token reaches past ``i - 1``; BPE never merges across
+pre-tokens and NFC cannot compose across a space, so the segments' tokens concatenate to exactly the
+whole prompt's tokens. Split points depend only on the text before them, so prompts with an equal
+prefix share their leading segments, and a conversation's earlier turns hit the cache.
 """
 
 from __future__ import annotations
@@ -13,7 +22,31 @@ from typing import Any
 
 from kvroute.tokenizer import Tokenizer, message_text
 
-__all__ = ["RequestTokenizer"]
+__all__ = ["SEGMENT_CHARS", "RequestTokenizer", "split_points"]
+
+SEGMENT_CHARS = 512
+
+
+def split_points(text: str, every: int = SEGMENT_CHARS) -> list[int]:
+    """End offsets of the segments of ``text`` (see the module docstring); the last is ``len(text)``."""
+    n = len(text)
+    ends = []
+    start = 0
+    find = text.find
+    while start < n:
+        i = start + every
+        end = n
+        while i < n - 1:
+            i = find(" ", i)
+            if i < 0 or i >= n - 1:
+                break
+            if text[i + 1].isalpha() and not text[i - 1].isspace():
+                end = i
+                break
+            i += 1
+        ends.append(end)
+        start = end
+    return ends
 
 
 class RequestTokenizer:
@@ -59,7 +92,30 @@ class RequestTokenizer:
         return ids
 
     def prompt(self, prompt: str | Sequence[int]) -> Sequence[int]:
-        """Token ids of a completion prompt (a string, or token ids passed through)."""
-        if isinstance(prompt, str):
+        """Token ids of a completion prompt (a string, segment by segment through the cache; token ids
+        are passed through)."""
+        if not isinstance(prompt, str):
+            return prompt
+        if len(prompt) < 2 * SEGMENT_CHARS or not self._max:
             return self.tokenizer.encode(prompt)
-        return prompt
+        ids: list[int] = []
+        start = 0
+        for end in split_points(prompt):
+            ids.extend(self._segment(prompt[start:end]))
+            start = end
+        return ids
+
+    def _segment(self, text: str) -> tuple[int, ...]:
+        key = ("", text)  # role "" never collides with a chat message key (roles are non-empty)
+        cache = self._cache
+        ids = cache.get(key)
+        if ids is not None:
+            cache.move_to_end(key)
+            self.hits += 1
+            return ids
+        self.misses += 1
+        ids = tuple(self.tokenizer.encode(text))
+        cache[key] = ids
+        if len(cache) > self._max:
+            cache.popitem(last=False)
+        return ids

@@ -1,0 +1,283 @@
+"""Proxy overhead and capacity: direct to one engine vs kvroute vs sglang-router, in one run.
+
+Setup (all on loopback, all processes on this machine's cores): 4 emulated engines (``kvroute
+engine`` subprocesses, time scale 1000 so that modelled compute is ~negligible, KV events on); a
+``kvroute serve`` subprocess (lmetric, exact KV view from the engines' events); an ``sglang-router``
+subprocess (pip ``sglang-router``, ``--policy cache_aware``) over the same 4 engines. The load
+generator is this process (``kvroute.loadgen``, open loop, every response streamed).
+
+Workload: the ``chatbot`` synthetic workload's prompts (block ids → stable synthetic text), outputs
+cut to ``OUTPUT_TOKENS`` tokens so that the run measures the proxies, not token generation:
+
+1. **Latency** at a light load (``LAT_RATE`` req/s for ``LAT_REQUESTS`` requests) on each path: client
+   TTFT p50/p99; *added TTFT* = path − direct (same requests, same order).
+2. **Capacity**: offered rates from ``RATES`` (req/s, constant spacing, ``STEP_S`` seconds each) until
+   a step fails; a step is sustained when every request finishes and the last one finishes within
+   ``DRAIN_S`` seconds after the last arrival. Reported: the highest sustained rate.
+3. **Router CPU per request**: the router process's user+system CPU time (``/proc/PID/stat``) over
+   both phases / requests it served, milliseconds.
+
+Writes ``benchmarks/results/proxy.json``. Skips (returns 0 with a note) if sglang-router is not
+installed (``pip install -e '.[bench]'``); kvroute and direct are still measured then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kvroute.loadgen import BlockText, run_bench
+from kvroute.loadgen.runner import fetch_model
+from kvroute.server.cluster import EngineCluster, free_port
+from kvroute.tokenizer import load_tokenizer
+from kvroute.workloads import make_workload
+from kvroute.workloads.request import Request
+
+RESULTS = Path(__file__).resolve().parent / "results"
+INSTANCES = 4
+TIME_SCALE = 1000.0
+OUTPUT_TOKENS = 4
+MAX_PROMPT_TOKENS = 2048
+LAT_RATE = 20.0
+LAT_REQUESTS = 200
+RATES = (25, 50, 100, 200, 400, 700, 1000, 1400)
+STEP_S = 3.0
+DRAIN_S = 2.0
+TARGET_ADDED_P50_MS = 1.0
+TARGET_RPS = 1000.0
+
+
+def _requests(n: int, rate: float, seed: int) -> list[Request]:
+    """``n`` chatbot prompts (capped at MAX_PROMPT_TOKENS), re-timed to a constant ``rate``."""
+    out = []
+    for i, r in enumerate(make_workload("chatbot", seed=seed, rate_scale=8.0, duration=3600.0)):
+        if i >= n:
+            break
+        blocks = r.block_ids[: MAX_PROMPT_TOKENS // r.block_size]
+        plen = min(r.prompt_len, MAX_PROMPT_TOKENS)
+        out.append(
+            dataclasses.replace(
+                r, req_id=i, arrival=i / rate, prompt_len=plen, block_ids=blocks, output_len=OUTPUT_TOKENS
+            )
+        )
+    return out
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _wait_http(url: str, path: str, timeout_s: float = 60.0) -> None:
+    async with aiohttp.ClientSession() as s:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                async with s.get(url + path) as r:
+                    if r.status == 200:
+                        return
+            except (aiohttp.ClientError, OSError):
+                pass
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url}{path} did not come up")
+
+
+def _spawn(cmd: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def _capacity(url: str, text: BlockText, model: str) -> tuple[float, list[dict[str, Any]]]:
+    best = 0.0
+    steps = []
+    for rate in RATES:
+        reqs = _requests(int(rate * STEP_S), float(rate), seed=rate)
+        res = await run_bench(url, reqs, text, model, drain_timeout_s=30.0)
+        finished = res.requests - res.unfinished
+        ok = res.unfinished == 0 and res.wall_seconds <= reqs[-1].arrival + DRAIN_S
+        steps.append(
+            {
+                "offered_rps": rate,
+                "finished": finished,
+                "requests": res.requests,
+                "wall_s": round(res.wall_seconds, 3),
+                "sustained": ok,
+                "ttft_p50_ms": res.recorder.summary()["ttft_ms"]["p50"],
+            }
+        )
+        print(
+            f"    {rate:5d} req/s offered: {finished}/{res.requests} in {res.wall_seconds:.2f} s "
+            f"-> {'sustained' if ok else 'NOT sustained'}",
+            flush=True,
+        )
+        if not ok:
+            break
+        best = float(rate)
+        await asyncio.sleep(0.5)
+    return best, steps
+
+
+async def _measure() -> dict[str, Any]:
+    tok = load_tokenizer()
+    text = BlockText(tok)
+    cluster = EngineCluster(
+        INSTANCES, ["--time-scale", str(TIME_SCALE), "--kv-blocks", "65536"], kv_events=True
+    )
+    backends = await cluster.start()
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    urls = {"direct": backends[0].url}
+    try:
+        port = free_port()
+        cmd = [sys.executable, "-m", "kvroute.cli", "serve", "--port", str(port), "--policy", "lmetric"]
+        for b in backends:
+            cmd += ["--backend", b.url, "--kv-events", f"{b.url}={b.kv_events}"]
+        procs["kvroute"] = _spawn(cmd)
+        urls["kvroute"] = f"http://127.0.0.1:{port}"
+        sglang = shutil.which("sglang-router") is not None or _has_module("sglang_router")
+        if sglang:
+            sport = free_port()
+            procs["sglang-router"] = _spawn(
+                [
+                    sys.executable,
+                    "-m",
+                    "sglang_router.launch_router",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(sport),
+                    "--policy",
+                    "cache_aware",
+                    "--log-level",
+                    "error",
+                    "--worker-urls",
+                    *[b.url for b in backends],
+                ]
+            )
+            urls["sglang-router"] = f"http://127.0.0.1:{sport}"
+        for name, url in urls.items():
+            await _wait_http(url, "/v1/models" if name == "sglang-router" else "/health")
+        await asyncio.sleep(1.0)
+        async with aiohttp.ClientSession() as session:
+            model = await fetch_model(session, backends[0].url)  # sglang-router lists "unknown"
+        out: dict[str, Any] = {"paths": {}}
+        lat_reqs = _requests(LAT_REQUESTS, LAT_RATE, seed=7)
+        cpu0 = {n: _cpu_seconds(p.pid) for n, p in procs.items()}
+        served = dict.fromkeys(procs, 0)
+        for name, url in urls.items():
+            print(f"  latency: {name} ({LAT_REQUESTS} requests at {LAT_RATE:.0f} req/s)", flush=True)
+            await run_bench(url, _requests(20, 50.0, seed=99), text, model)  # warm-up (connections, caches)
+            res = await run_bench(url, lat_reqs, text, model)
+            s = res.summary(name, INSTANCES if name != "direct" else 1)
+            out["paths"][name] = {
+                "latency": {k: s[k] for k in ("requests", "unfinished", "ttft_ms", "e2e_ms", "kv_hit_rate")}
+            }
+            if name in served:
+                served[name] += res.requests + 20
+        for name, url in urls.items():
+            print(f"  capacity: {name}", flush=True)
+            best, steps = await _capacity(url, text, model)
+            out["paths"][name]["max_sustained_rps"] = best
+            out["paths"][name]["capacity_steps"] = steps
+            if name in served:
+                served[name] += sum(st["requests"] for st in steps)
+        for name, p in procs.items():
+            cpu = _cpu_seconds(p.pid) - cpu0[name]
+            out["paths"][name]["router_cpu_ms_per_request"] = 1000.0 * cpu / max(served[name], 1)
+        direct = out["paths"]["direct"]["latency"]["ttft_ms"]
+        for name in procs:
+            lat = out["paths"][name]["latency"]["ttft_ms"]
+            out["paths"][name]["added_ttft_ms"] = {q: lat[q] - direct[q] for q in ("p50", "p99")}
+        out["sglang_router"] = "measured" if sglang else "not installed (pip install -e '.[bench]')"
+        return out
+    finally:
+        for p in procs.values():
+            _stop(p)
+        cluster.stop()
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def main() -> int:
+    t0 = time.perf_counter()
+    try:
+        import uvloop
+
+        out = uvloop.run(_measure())
+    except ImportError:
+        out = asyncio.run(_measure())
+    paths = out["paths"]
+    k = paths["kvroute"]
+    out.update(
+        {
+            "setup": {
+                "instances": INSTANCES,
+                "time_scale": TIME_SCALE,
+                "output_tokens": OUTPUT_TOKENS,
+                "max_prompt_tokens": MAX_PROMPT_TOKENS,
+                "latency_rate_rps": LAT_RATE,
+                "latency_requests": LAT_REQUESTS,
+                "capacity_rates": list(RATES),
+                "step_s": STEP_S,
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+            },
+            "targets": {"added_ttft_p50_ms": TARGET_ADDED_P50_MS, "min_streamed_rps": TARGET_RPS},
+            "meets": {
+                "added_ttft_p50": k["added_ttft_ms"]["p50"] <= TARGET_ADDED_P50_MS,
+                "not_worse_than_sglang": (
+                    "sglang-router" not in paths
+                    or k["added_ttft_ms"]["p50"] <= paths["sglang-router"]["added_ttft_ms"]["p50"]
+                ),
+                "rps": k["max_sustained_rps"] >= TARGET_RPS,
+            },
+            "wall_seconds": time.perf_counter() - t0,
+        }
+    )
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "proxy.json").write_text(json.dumps(out, indent=2) + "\n")
+    print(
+        "\n| path | TTFT p50 (ms) | TTFT p99 (ms) | added p50 (ms) | added p99 (ms) | max req/s | CPU ms/req |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, p in paths.items():
+        lat = p["latency"]["ttft_ms"]
+        add = p.get("added_ttft_ms", {"p50": 0.0, "p99": 0.0})
+        cpu = p.get("router_cpu_ms_per_request")
+        print(
+            f"| {name} | {lat['p50']:.2f} | {lat['p99']:.2f} | {add['p50']:+.2f} | {add['p99']:+.2f} | "
+            f"{p['max_sustained_rps']:.0f} | {'-' if cpu is None else f'{cpu:.2f}'} |"
+        )
+    print(
+        f"\ntargets: added TTFT p50 <= {TARGET_ADDED_P50_MS} ms and <= sglang-router's; "
+        f">= {TARGET_RPS:.0f} streamed req/s -> {out['meets']}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,58 +1,122 @@
-"""`kvroute demo`: the main job on an embedded default — a generated multi-turn chat workload on a
-simulated 16-instance cluster, routed by `lmetric`, `vllm` and `llm-d`, side by side.
+"""`kvroute demo`: the main job — the live router over real HTTP on an embedded default.
 
-Needs nothing outside the package (no ../shared). Minutes, not hours, on 2 cores.
+For each policy (``lmetric``, then ``round-robin``) it does what ``kvroute up --instances 4`` does —
+starts 4 fresh emulated engines (``kvroute engine`` subprocesses, KV events on) and the router in front
+of them on loopback — replays a short generated ``chatbot`` workload through the router with the load
+generator of ``kvroute bench`` (open loop, every response streamed), stops everything, and finally
+prints the comparison table. Engines run ``--time-scale`` times faster than real time and arrivals
+are sped up by the same factor, so the latencies are reported in *model time* (measured wall time ×
+time scale). Needs nothing outside the package (no ../shared); a few minutes on 2 cores.
+
+The simulator's version of the comparison is one command away:
+``kvroute sim --workload chatbot --instances 4 --policy lmetric``.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+from typing import Any
 
-from kvroute.metrics import comparison_table
+from kvroute.errors import UserError
 
-HELP = "the main job: compare lmetric with vLLM- and llm-d-style routing on a generated chat workload"
+HELP = "the main job: 4 emulated engines + the router; lmetric vs round-robin on a chat workload over HTTP"
 
-POLICIES = ("lmetric", "vllm", "llm-d")
+POLICIES = ("lmetric", "round-robin")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--duration", type=float, default=300.0, help="seconds of arrivals (default 300)")
-    p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the workload's arrival rate")
-    p.add_argument("--instances", type=int, default=16)
+    p.add_argument("--instances", type=int, default=4, help="emulated engines (default 4)")
+    p.add_argument("--duration", type=float, default=60.0, help="model seconds of arrivals (default 60)")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the workload's rate (default 1)")
+    p.add_argument("--time-scale", type=float, default=2.0, help="engines run this much faster (default 2)")
+    p.add_argument(
+        "--policies", default=",".join(POLICIES), help="comma-separated (default lmetric,round-robin)"
+    )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+
+
+def _scaled(summary: dict[str, Any], factor: float) -> dict[str, Any]:
+    out = dict(summary)
+    for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        out[key] = {k: v * factor for k, v in summary[key].items()}
+    return out
+
+
+async def _one(policy: str, args: argparse.Namespace, text: Any) -> dict[str, Any]:
+    from kvroute.loadgen import run_bench
+    from kvroute.server.app import RouterServer
+    from kvroute.server.cluster import EngineCluster
+    from kvroute.server.config import RouterConfig
+    from kvroute.workloads import make_workload
+
+    cluster = EngineCluster(args.instances, ["--time-scale", str(args.time_scale)], kv_events=True)
+    backends = await cluster.start()
+    try:
+        router = RouterServer(
+            RouterConfig(backends=backends, port=0, policy=policy), tokenizer=text.tokenizer
+        )
+        url = await router.start()
+        try:
+            print(
+                f"  {policy}: router {url}/v1 in front of {args.instances} engines; replaying ...", flush=True
+            )
+            reqs = make_workload(
+                "chatbot",
+                seed=args.seed,
+                rate_scale=args.rate_scale * args.time_scale,
+                duration=args.duration / args.time_scale,
+            )
+            result = await run_bench(url, reqs, text)
+        finally:
+            await router.stop()
+    finally:
+        cluster.stop()
+    out = _scaled(result.summary(policy, args.instances), args.time_scale)
+    print(
+        f"  {policy}: {out['requests']} requests, {out['unfinished']} unfinished, "
+        f"{result.wall_seconds:.1f} s wall",
+        flush=True,
+    )
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvroute.commands.sim import run_with_progress
-    from kvroute.sim.runner import RunSpec
+    from kvroute.commands.sim import write_json
+    from kvroute.loadgen import BlockText
+    from kvroute.metrics import comparison_table
+    from kvroute.policies.registry import make_policy
+    from kvroute.server.run import run_loop
+    from kvroute.tokenizer import load_tokenizer
 
-    show = sys.stderr.isatty()
-    rows = []
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for p in policies:
+        make_policy(p)
+    if args.instances < 1 or not args.duration > 0 or not args.time_scale > 0 or not args.rate_scale > 0:
+        raise UserError("--instances, --duration, --time-scale and --rate-scale must be positive")
     print(
-        f"Simulating {args.duration:g} s of the generated `chatbot` workload on {args.instances} instances "
-        "(Qwen3-30B-A3B, RTX PRO 6000 profile) with each policy ...",
+        f"kvroute demo: {args.instances} emulated engines (Qwen3-30B-A3B cost profile, {args.time_scale:g}x real "
+        f"time, KV events on) behind the live router; {args.duration:g} model seconds of the generated "
+        "`chatbot` workload per policy, streamed over HTTP.",
         flush=True,
     )
-    for policy in POLICIES:
-        spec = RunSpec(
-            policy=policy,
-            instances=args.instances,
-            workload="chatbot",
-            duration=args.duration,
-            rate_scale=args.rate_scale,
-            seed=args.seed,
-        )
-        out = run_with_progress(spec, show)
-        rows.append(out)
-        print(f"  {policy}: {out['requests']:,} requests in {out['wall_seconds']:.1f} s wall", flush=True)
+    text = BlockText(load_tokenizer())
+    rows: list[dict[str, Any]] = []
+
+    async def main() -> int:
+        for p in policies:
+            rows.append(await _one(p, args, text))
+        return 0
+
+    run_loop(main)
     print()
-    print(comparison_table(rows))
-    print("\nReproduce a row:")
-    for out in rows:
-        print(f"  {out['command']}")
     print(
-        "\nNext: the real Mooncake trace (needs ../shared):\n"
-        "  kvroute sim --trace ../shared/traces/mooncake/conversation_trace.jsonl --instances 16 --policy lmetric"
+        comparison_table(rows, title="Measured over real HTTP (latencies in model time = wall × time scale)")
     )
+    print(
+        "\nSame comparison in the simulator: kvroute sim --workload chatbot --instances 4 --policy lmetric"
+        "\nRun it yourself: kvroute up --instances 4 & kvroute bench --url http://127.0.0.1:8080 --workload chatbot"
+    )
+    if args.json:
+        write_json(args.json, rows)
     return 0

@@ -29,7 +29,7 @@ def take(name: str, n: int, **kwargs: object) -> list[Request]:
 
 
 def test_registry_names() -> None:
-    assert set(WORKLOADS) == {"chatbot", "coder", "api", "agent"}
+    assert {"chatbot", "coder", "api", "agent"} <= set(WORKLOADS)  # the design's four scenarios, at least
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -177,6 +177,10 @@ async def test_disconnect_aborts_and_frees_blocks(start_server, stream):
                 if server.model.stats().running == 1:
                     break
                 await asyncio.sleep(0.01)
+        for _ in range(500):  # let the prefill finish, so the prompt's blocks are cached
+            if server.model.stats().cached_blocks == 400 // 16:
+                break
+            await asyncio.sleep(0.01)
         busy = server.model.stats()
         assert busy.running == 1 and busy.used_blocks > 0
         if stream:

@@ -151,12 +151,7 @@ class BlockPool:
                 run.append(h)
             else:
                 if run:
-                    self._stored(
-                        run,
-                        parent if run_start == first_block else hashes[run_start - first_block - 1],
-                        token_ids,
-                        run_start,
-                    )
+                    self._stored(run, hashes, first_block, parent, token_ids, run_start)
                     run = []
                 if ref == 0:
                     del self._evictable[h]
@@ -165,17 +160,22 @@ class BlockPool:
                 self.free += 1
             held.append(h)
         if run:
-            self._stored(
-                run,
-                parent if run_start == first_block else hashes[run_start - first_block - 1],
-                token_ids,
-                run_start,
-            )
+            self._stored(run, hashes, first_block, parent, token_ids, run_start)
         self.private -= len(hashes)
 
     def _stored(
-        self, run: list[int], parent: int | None, token_ids: Sequence[int] | None, start: int
+        self,
+        run: list[int],
+        hashes: Sequence[int],
+        first_block: int,
+        parent: int | None,
+        token_ids: Sequence[int] | None,
+        start: int,
     ) -> None:
+        """Record one ``BlockStored`` for ``run`` (block numbers ``start``…), whose parent is the
+        block before it: ``parent`` if the run begins at ``first_block``, else within ``hashes``."""
+        if start != first_block:
+            parent = hashes[start - first_block - 1]
         bs = self.block_size
         tokens: tuple[int, ...] = ()
         if token_ids is not None and len(token_ids) >= (start + len(run)) * bs:

@@ -368,49 +368,37 @@ class EngineModel:
                 if seq.out >= seq.req.output_len:
                     finished.append(seq)
                 continue
-            if n == 1 and seq.out and seq.known - seq.computed == 1:  # one decode step: the hot path
+            if seq.out and seq.known - seq.computed == 1:  # one decode step: the hot path
                 seq.computed += 1
-                seq.out += 1
-                seq.known += 1
-                if report:
-                    outputs.append(
-                        EngineOutput(OutputKind.TOKEN, seq.req.req_id, t, seq.out, seq.cached_tokens)
-                    )
-                if seq.out >= seq.req.output_len:
-                    finished.append(seq)
-                continue
-            pending = _pending(seq)
-            before = seq.computed
-            seq.computed = before + n
-            hashes = seq.req.block_hashes
-            if pending:
-                self._queued_prefill -= pending
-                if len(seq.held) < len(hashes):
-                    full = min(seq.computed // bs, len(hashes))
-                    first = len(seq.held)
-                    if full > first:
-                        parent = seq.held[-1] if seq.held else None
-                        pool.promote(hashes[first:full], parent, seq.req.token_ids, first, seq.held)
-            if seq.computed < seq.known:
-                self._queued_prefill += _pending(seq)
-                continue  # prefill chunk done, prompt not complete
-            if seq.out == 0:
-                seq.out = 1
-                seq.known += 1
+            else:  # a prefill chunk (of the prompt, or of a recompute after preemption)
+                self._prefill_done(seq, n)
+                if seq.computed < seq.known:
+                    continue  # prompt not complete yet
+            seq.out += 1
+            seq.known += 1
+            if seq.out == 1:
                 outputs.append(EngineOutput(OutputKind.FIRST_TOKEN, seq.req.req_id, t, 1, seq.cached_tokens))
-            else:  # the token that ends a recompute (after preemption)
-                seq.out += 1
-                seq.known += 1
-                if report:
-                    outputs.append(
-                        EngineOutput(OutputKind.TOKEN, seq.req.req_id, t, seq.out, seq.cached_tokens)
-                    )
+            elif report:
+                outputs.append(EngineOutput(OutputKind.TOKEN, seq.req.req_id, t, seq.out, seq.cached_tokens))
             if seq.out >= seq.req.output_len:
                 finished.append(seq)
         for seq in finished:
             self._running.remove(seq)
             self._drop(seq)
             outputs.append(EngineOutput(OutputKind.FINISHED, seq.req.req_id, t, seq.out, seq.cached_tokens))
+
+    def _prefill_done(self, seq: _Seq, n: int) -> None:
+        """``seq`` computed ``n`` more prefill tokens: update the queued-prefill counter and cache
+        the prompt blocks it has now filled."""
+        self._queued_prefill -= _pending(seq)
+        seq.computed += n
+        self._queued_prefill += _pending(seq)
+        hashes = seq.req.block_hashes
+        first = len(seq.held)
+        full = min(seq.computed // self.pool.block_size, len(hashes))
+        if full > first:
+            parent = seq.held[-1] if seq.held else None
+            self.pool.promote(hashes[first:full], parent, seq.req.token_ids, first, seq.held)
 
     def _preempt(self, seq: _Seq, now: float) -> None:
         """Recompute preemption: free everything, requeue at the front; the prompt and the output

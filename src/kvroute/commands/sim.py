@@ -47,9 +47,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="lmetric", help="routing policy (see the registry; default lmetric)")
     p.add_argument("--json", metavar="FILE", help="write the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from kvroute.features.flags import add_feature_arguments
+
+    add_feature_arguments(p)
 
 
 def spec_from_args(args: argparse.Namespace, policy: str, rate_scale: float | None = None) -> Any:
+    from kvroute.features.flags import feature_spec_fields
     from kvroute.sim.runner import RunSpec
 
     return RunSpec(
@@ -71,6 +75,7 @@ def spec_from_args(args: argparse.Namespace, policy: str, rate_scale: float | No
         kv_view=args.kv_view,
         scrape_interval=args.scrape_interval,
         event_delay=args.event_delay,
+        **feature_spec_fields(args),
     )
 
 

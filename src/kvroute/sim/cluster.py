@@ -36,9 +36,11 @@ from kvroute.engine.types import (
     OutputKind,
 )
 from kvroute.errors import UserError
+from kvroute.features.timeline import TtftTimeline
 from kvroute.index import ApproxPrefixIndex, PrefixIndex
 from kvroute.metrics import LatencyRecorder
 from kvroute.policies.base import Policy
+from kvroute.policies.guarded import Guarded
 from kvroute.sim.loop import PRIO_ARRIVAL, PRIO_DELIVERY, PRIO_ENGINE, EventLoop
 from kvroute.views import InstanceView, RequestView
 from kvroute.workloads.request import Request
@@ -66,6 +68,11 @@ class SimConfig:
     event_delay: float = 0.002
     seed: int = 0
     max_sim_seconds: float | None = None
+    # Features (kvroute.features): ``scale_out`` = ((time s, new instances), ...) joins during the run;
+    # the last ``spot_instances`` initial instances carry the tag "spot".
+    scale_out: tuple[tuple[float, int], ...] = ()
+    spot_instances: int = 0
+    by_class: bool = False  # report latencies per request class (``by_class`` in the output)
 
     def check(self) -> None:
         """Raise UserError for nonsense settings."""
@@ -79,6 +86,8 @@ class SimConfig:
             raise UserError(f"unknown KV view {self.kv_view!r}; valid: {', '.join(KV_VIEWS)}")
         if self.scrape_interval < 0 or self.event_delay < 0:
             raise UserError("scrape interval and event delay must be >= 0")
+        if any(t < 0 or n < 1 for t, n in self.scale_out) or not 0 <= self.spot_instances <= self.instances:
+            raise UserError("--scale-out needs T >= 0 and N >= 1; --spot-instances must be in [0, instances]")
 
 
 @dataclass(slots=True)
@@ -92,6 +101,7 @@ class _Inst:
     opt_tokens: int = 0
     wake: float | None = None  # time of the scheduled wake-up (None: none pending)
     view: InstanceView | None = None  # cached view; None when stale
+    tags: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)
@@ -102,6 +112,7 @@ class _Live:
     instance: int
     first: float = -1.0
     cached: int = 0
+    req_class: str = "default"
 
 
 class ClusterSim:
@@ -122,6 +133,13 @@ class ClusterSim:
         self.requests = 0
         self.rejected = 0
         self.preemptions = 0
+        # features: the Guarded wrapper (if the policy is one), preload requests in flight, per-class
+        # latencies, quota rejections, TTFT by arrival (with scale-out events)
+        self.guard = policy if isinstance(policy, Guarded) else None
+        self._preload: set[int | str] = set()
+        self._by_class: dict[str, LatencyRecorder] = {}
+        self.quota_rejected = 0
+        self.timeline = TtftTimeline() if config.scale_out else None
 
     # -- set-up ---------------------------------------------------------------------------------
     def _build(self, block_size: int) -> None:
@@ -136,10 +154,16 @@ class ClusterSim:
             block_size=block_size,
         )
         self._block_size = block_size
-        for _ in range(cfg.instances):
+        for k in range(cfg.instances):
             eng = EngineModel(ecfg, self.cost)
-            self._insts.append(_Inst(eng, eng.stats(), 0.0))
+            spot = k >= cfg.instances - cfg.spot_instances
+            self._insts.append(
+                _Inst(eng, eng.stats(), 0.0, tags=frozenset({"spot"}) if spot else frozenset())
+            )
         self._index = PrefixIndex() if cfg.kv_view == "exact" else ApproxPrefixIndex(blocks)
+        self._ecfg = ecfg
+        for t, n in cfg.scale_out:
+            self.loop.schedule(max(t, self.loop.now), PRIO_ARRIVAL, self._join, n)
 
     # -- run --------------------------------------------------------------------------------------
     def run(
@@ -167,7 +191,7 @@ class ClusterSim:
                 t += step
         out = {
             "policy": self.policy.name,
-            "instances": self.config.instances,
+            "instances": len(self._insts),
             "requests": self.requests,
             "unfinished": self.requests - self.recorder.finished,
             **self.recorder.summary(),
@@ -176,7 +200,44 @@ class ClusterSim:
             "rejected": self.rejected,
             "preemptions": sum(i.engine.stats().preemptions for i in self._insts),
         }
+        self._feature_output(out)
         return out
+
+    def _feature_output(self, out: dict[str, Any]) -> None:
+        """Feature counters, per-class latencies (several classes), TTFT around scale-out events."""
+        if self.guard is not None:
+            out["features"] = self.guard.summary()
+            out["quota_rejected"] = self.quota_rejected
+        if len(self._by_class) > 1:
+            out["by_class"] = {
+                c: r.summary() | {"requests": r.finished} for c, r in sorted(self._by_class.items())
+            }
+        if self.timeline is not None:
+            out["scale_out"] = [list(e) for e in self.config.scale_out]
+            out["ttft_timeline"] = self.timeline.buckets()
+
+    def _join(self, n: int) -> None:
+        """``n`` new instances join now (scale-out); with cold start they warm up and get preloads."""
+        now = self.loop.now
+        for _ in range(n):
+            eng = EngineModel(self._ecfg, self.cost)
+            self._insts.append(_Inst(eng, eng.stats(), now))
+            self._reset_instance(len(self._insts) - 1, now)
+
+    def _reset_instance(self, i: int, now: float) -> None:
+        """Instance ``i`` joined or lost its cache: tell the guard, send it the preload requests."""
+        if self.guard is None:
+            return
+        bs = self._block_size
+        prefixes = self.guard.instance_reset(i, now)
+        for k, p in enumerate(prefixes):
+            rid = f"preload-{i}-{now:.3f}-{k}"
+            self._preload.add(rid)
+            if isinstance(self._index, ApproxPrefixIndex):
+                self._index.assign(i, p.chain, now)
+            self._insts[i].engine.add_request(EngineRequest(rid, len(p.chain) * bs, 1, p.chain), now)
+        if prefixes:
+            self._after_engine(i, now)
 
     def _next_arrival(self, req: Request, it: Iterator[Request]) -> None:
         self.loop.schedule(max(req.arrival, self.loop.now), PRIO_ARRIVAL, self._arrive, req, it)
@@ -210,6 +271,7 @@ class ClusterSim:
                 kv_usage=s.kv_usage,
                 kv_capacity_blocks=s.num_kv_blocks,
                 decode_blocks=s.used_blocks,
+                tags=inst.tags,
             )
             inst.view = view
         return view
@@ -222,6 +284,13 @@ class ClusterSim:
         matched = self._index.match(req.block_ids, len(insts))
         prompt = req.prompt_len
         cached = tuple(min(m * bs, prompt) for m in matched)
+        guard = self.guard
+        key = 0
+        if guard is not None:
+            if guard.admit(req.user, prompt + req.output_len, now):
+                self.quota_rejected += 1
+                return
+            key = guard.note(req.block_ids, bs, now)
         views = [self._view(i, inst, now) for i, inst in enumerate(insts)]
         rv = RequestView(
             prompt_tokens=prompt,
@@ -231,8 +300,9 @@ class ClusterSim:
             max_tokens=req.output_len,
             user=req.user,
             req_class=req.req_class,
+            prefix_key=key,
         )
-        choice = self.policy.choose(rv, views).choice
+        choice = (guard.decide(rv, views, now) if guard is not None else self.policy.choose(rv, views)).choice
         inst = insts[choice]
         new_tokens = prompt - cached[choice]
         inst.opt[req.req_id] = new_tokens
@@ -240,7 +310,7 @@ class ClusterSim:
         inst.view = None
         if isinstance(self._index, ApproxPrefixIndex):
             self._index.assign(choice, req.block_ids, now)
-        self._live[req.req_id] = _Live(now, prompt, req.output_len, choice)
+        self._live[req.req_id] = _Live(now, prompt, req.output_len, choice, req_class=req.req_class)
         inst.engine.add_request(EngineRequest(req.req_id, prompt, req.output_len, req.block_ids), now)
         self._after_engine(choice, now)
 
@@ -271,8 +341,13 @@ class ClusterSim:
 
     def _outputs(self, i: int, inst: _Inst, outs: list) -> None:
         live = self._live
+        preload = self._preload
         for o in outs:
             kind = o.kind
+            if preload and o.req_id in preload:  # cold-start preload requests are not workload requests
+                if kind is OutputKind.FINISHED or kind is OutputKind.ABORTED:
+                    preload.discard(o.req_id)
+                continue
             if kind is OutputKind.FIRST_TOKEN:
                 rec = live[o.req_id]
                 rec.first = o.time
@@ -284,6 +359,13 @@ class ClusterSim:
             if kind is OutputKind.FINISHED:
                 rec = live.pop(o.req_id)
                 self.recorder.add(rec.arrival, rec.first, o.time, rec.prompt_len, rec.cached, rec.output_len)
+                if self.config.by_class:
+                    by = self._by_class.get(rec.req_class)
+                    if by is None:
+                        by = self._by_class[rec.req_class] = LatencyRecorder()
+                    by.add(rec.arrival, rec.first, o.time, rec.prompt_len, rec.cached, rec.output_len)
+                if self.timeline is not None:
+                    self.timeline.add(rec.arrival, rec.first - rec.arrival)
             elif kind is OutputKind.ABORTED:
                 live.pop(o.req_id, None)
                 tokens = inst.opt.pop(o.req_id, None)
@@ -302,3 +384,4 @@ class ClusterSim:
                 index.remove(i, ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
                 index.clear(i)
+                self._reset_instance(i, self.loop.now)  # cold start: warming again, preloads

@@ -35,6 +35,24 @@ class RunSpec:
     kv_view: str = "exact"
     scrape_interval: float = 0.05
     event_delay: float = 0.002
+    # Production features (kvroute.features, `kvroute sim` flags of the same names; all off by default).
+    hotspot_mitigation: bool = False
+    hotspot_class_tokens: int = 128
+    hotspot_window: float = 60.0
+    cold_start: bool = False
+    cold_start_window: float = 300.0
+    cold_start_cap: str = "admit"  # admit | score | none
+    scale_out: tuple[tuple[float, int], ...] = ()  # (time s, instances joining)
+    score_monitor: bool = False
+    load_adaptive: float | None = None  # BS exponent above load_threshold; None: off
+    load_threshold: float = 0.7
+    classes: bool = False
+    class_weights: tuple[tuple[str, float], ...] = ()
+    by_class: bool = False
+    p_token_cap: int | None = None
+    spot_instances: int = 0
+    spot_max_tokens: int | None = None
+    quota: tuple[float, float] | None = None  # (tokens per s, burst tokens) per user
 
     def command_line(self) -> str:
         """The `kvroute sim` command that reproduces this run."""
@@ -60,6 +78,9 @@ class RunSpec:
             value = getattr(self, name)
             if value != getattr(defaults, name):
                 parts.append(f"--{name.replace('_', '-')} {value}")
+        from kvroute.features.flags import feature_command_flags
+
+        parts += feature_command_flags(self)
         return " ".join(parts)
 
 
@@ -76,6 +97,8 @@ def load_profile(spec: RunSpec) -> Any:
 def run_spec(spec: RunSpec, progress: Callable[[float, int, int], None] | None = None) -> dict[str, Any]:
     """Run one simulation; returns the contract's summary dict plus ``profile``, ``workload``,
     ``rate_scale``, ``skipped_lines`` and ``command``."""
+    from kvroute.features.flags import features_from_spec
+    from kvroute.policies.guarded import Guarded
     from kvroute.policies.registry import make_policy
     from kvroute.sim.cluster import ClusterSim, SimConfig
     from kvroute.workloads import open_workload
@@ -93,9 +116,15 @@ def run_spec(spec: RunSpec, progress: Callable[[float, int, int], None] | None =
         scrape_interval=spec.scrape_interval,
         event_delay=spec.event_delay,
         seed=spec.seed,
+        scale_out=spec.scale_out,
+        spot_instances=spec.spot_instances,
+        by_class=spec.by_class or spec.classes or bool(spec.class_weights),
     )
     cfg.check()
     policy = make_policy(spec.policy, random.Random(spec.seed))
+    features = features_from_spec(spec)
+    if features.any:
+        policy = Guarded(policy, features)
     stream, stats = open_workload(
         spec.trace, spec.fmt, spec.workload, spec.rate_scale, spec.duration, spec.seed, spec.skip_bad_lines
     )

@@ -42,6 +42,8 @@ __all__ = [
     "ApiConfig",
     "ChatbotConfig",
     "CoderConfig",
+    "HotPrefixConfig",
+    "MixedConfig",
     "WorkloadConfig",
     "make_workload",
     "scale_stream",
@@ -526,11 +528,150 @@ def _agent(cfg: AgentConfig, rng: random.Random) -> Iterator[Request]:
             )
 
 
+@dataclass(frozen=True)
+class HotPrefixConfig(WorkloadConfig):
+    """One hot shared prefix among cold requests, built to meet the LMetric paper's hot-spot condition
+    (§5.2): a share ``hot_share`` of the requests (x = 0.5 by default) starts with the same long prefix
+    (a shared document or tool manifest of ``hot_prefix_tokens``), the rest are unique prompts. Under
+    P-token × BS the few instances caching the prefix keep winning its requests (their P-token is ~40×
+    smaller) while they hold far less than x of the cluster: x/(1−x) = 1 > |M|/(N−|M|) for |M| < N/2."""
+
+    name: ClassVar[str] = "hotspot"
+    description: ClassVar[str] = "half the requests share one long hot prefix (the paper's KV hot-spot case)"
+    duration_s: float = 300.0
+    # Requests/s at rate_scale 1 (Poisson): ~1.5/s per instance of 16, a moderate load when the hot
+    # prefix is cached and a heavy one on the instances that take all of the hot class.
+    rate: float = 24.0
+    hot_share: float = 0.5
+    # The hot prefix appears at this time (seconds, base time): caches are warm and the cluster busy
+    # when it goes viral, as with a newly released tool or document; before it every request is cold.
+    hot_start_s: float = 60.0
+    # ... and its share grows linearly from 0 to ``hot_share`` over this many seconds. A gradual rise is
+    # what makes it a hot spot: the first requests teach one instance the prefix, and P-token × BS then
+    # keeps the class there (a sudden full-rate start spreads it while the first prefill runs).
+    hot_ramp_s: float = 120.0
+    # The hot prefix, tokens (whole blocks): a long shared document / tool manifest, as in Mooncake's
+    # tool-agent trace (8.6k input tokens on average, mostly shared).
+    hot_prefix_tokens: int = 8192
+    # Per-request new tokens after the hot prefix (lognormal mean / sigma).
+    suffix_mean: float = 200.0
+    suffix_sigma: float = 0.8
+    # Cold requests: unique prompts, tokens (lognormal), like the api workload's.
+    cold_prompt_mean: float = 1500.0
+    cold_prompt_sigma: float = 1.0
+    prompt_max: int = 16384
+    # Output tokens (lognormal), both kinds: Mooncake conversation mean output 343 (answers over a shared
+    # document). Long answers make the decode batches on the hot instances what hurts.
+    output_mean: float = 343.0
+    output_sigma: float = 0.7
+    output_max: int = 2048
+
+    def requests(self, seed: int) -> Iterator[Request]:
+        _check_common(self)
+        if not self.rate > 0 or not 0 <= self.hot_share <= 1 or self.hot_prefix_tokens < self.block_size:
+            raise UserError("hotspot: rate > 0, hot_share in [0, 1], hot_prefix_tokens >= one block")
+        return _hotspot(self, random.Random(seed))
+
+
+@dataclass(frozen=True)
+class MixedConfig(WorkloadConfig):
+    """Two request classes on one cluster: interactive chat (class ``ttft``: shared system prompts,
+    short answers) and batch generation (class ``tpot``: a shared instruction plus a unique document,
+    long outputs). Poisson arrivals for each; for evaluating per-class weighting (design §5.3)."""
+
+    name: ClassVar[str] = "mixed"
+    description: ClassVar[str] = (
+        "interactive chat (class ttft) mixed with long batch generations (class tpot)"
+    )
+    duration_s: float = 300.0
+    # Interactive requests/s and batch requests/s at rate_scale 1.
+    chat_rate: float = 12.0
+    batch_rate: float = 4.0
+    # Chat: a few Zipf-popular system prompts (tokens, whole blocks) + a user message.
+    system_prompts: int = 8
+    system_prompt_zipf: float = 1.0
+    system_prompt_tokens_min: int = 512
+    system_prompt_tokens_max: int = 2048
+    chat_msg_mean: float = 300.0
+    chat_msg_sigma: float = 1.0
+    chat_output_mean: float = 150.0
+    chat_output_sigma: float = 0.8
+    # Batch: a few shared task instructions + a unique document; long generations (summaries, reports).
+    batch_instructions: int = 4
+    batch_instruction_tokens: int = 1024
+    batch_doc_mean: float = 2000.0
+    batch_doc_sigma: float = 0.8
+    batch_output_mean: float = 600.0
+    batch_output_sigma: float = 0.5
+    prompt_max: int = 16384
+    output_max: int = 4096
+
+    def requests(self, seed: int) -> Iterator[Request]:
+        _check_common(self)
+        if not self.chat_rate > 0 or not self.batch_rate > 0:
+            raise UserError("mixed: chat_rate and batch_rate must be > 0")
+        if self.system_prompts < 1 or self.batch_instructions < 1:
+            raise UserError("mixed: system_prompts and batch_instructions must be >= 1")
+        return _mixed(self, random.Random(seed))
+
+
+def _hotspot(cfg: HotPrefixConfig, rng: random.Random) -> Iterator[Request]:
+    bs = cfg.block_size
+    alloc = _Blocks()
+    hot_tokens = cfg.hot_prefix_tokens // bs * bs
+    hot_blocks = alloc.take(hot_tokens // bs)
+    t = 0.0
+    for req_id in itertools.count():
+        t += rng.expovariate(cfg.rate)
+        out = _lognormal_int(rng, cfg.output_mean, cfg.output_sigma, 1, cfg.output_max)
+        ramp = (t - cfg.hot_start_s) / cfg.hot_ramp_s if cfg.hot_ramp_s > 0 else 1.0
+        if t >= cfg.hot_start_s and rng.random() < cfg.hot_share * min(1.0, ramp):
+            ctx = _Context(bs, hot_blocks, hot_tokens)
+            ctx.extend(_lognormal_int(rng, cfg.suffix_mean, cfg.suffix_sigma, 1, cfg.prompt_max), alloc)
+            yield Request(req_id, t, ctx.tokens, out, tuple(ctx.blocks), bs, -1, None, "hot")
+        else:
+            prompt = _lognormal_int(rng, cfg.cold_prompt_mean, cfg.cold_prompt_sigma, 1, cfg.prompt_max)
+            yield Request(req_id, t, prompt, out, tuple(alloc.take(prompt // bs)), bs, -1, None, "cold")
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _mixed(cfg: MixedConfig, rng: random.Random) -> Iterator[Request]:
+    bs = cfg.block_size
+    alloc = _Blocks()
+    prompts = _shared_prefixes(
+        rng, alloc, cfg.system_prompts, cfg.system_prompt_tokens_min, cfg.system_prompt_tokens_max, bs
+    )
+    popularity = _zipf_cum_weights(cfg.system_prompts, cfg.system_prompt_zipf)
+    tokens = max(bs, cfg.batch_instruction_tokens // bs * bs)
+    instructions = [(tokens, alloc.take(tokens // bs)) for _ in range(cfg.batch_instructions)]
+    next_chat = rng.expovariate(cfg.chat_rate)
+    next_batch = rng.expovariate(cfg.batch_rate)
+    for req_id in itertools.count():
+        if next_chat <= next_batch:
+            t = next_chat
+            next_chat += rng.expovariate(cfg.chat_rate)
+            prefix_tokens, prefix_blocks = prompts[_pick(rng, popularity)]
+            ctx = _Context(bs, prefix_blocks, prefix_tokens)
+            ctx.extend(_lognormal_int(rng, cfg.chat_msg_mean, cfg.chat_msg_sigma, 1, cfg.prompt_max), alloc)
+            out = _lognormal_int(rng, cfg.chat_output_mean, cfg.chat_output_sigma, 1, cfg.output_max)
+            yield Request(req_id, t, ctx.tokens, out, tuple(ctx.blocks), bs, -1, None, "ttft")
+        else:
+            t = next_batch
+            next_batch += rng.expovariate(cfg.batch_rate)
+            prefix_tokens, prefix_blocks = instructions[rng.randrange(cfg.batch_instructions)]
+            ctx = _Context(bs, prefix_blocks, prefix_tokens)
+            ctx.extend(_lognormal_int(rng, cfg.batch_doc_mean, cfg.batch_doc_sigma, 1, cfg.prompt_max), alloc)
+            out = _lognormal_int(rng, cfg.batch_output_mean, cfg.batch_output_sigma, 1, cfg.output_max)
+            yield Request(req_id, t, ctx.tokens, out, tuple(ctx.blocks), bs, -1, None, "tpot")
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 # ------------------------------------------------------------------------------------------- registry
 
 
 WORKLOADS: dict[str, type[WorkloadConfig]] = {
-    cls.name: cls for cls in (ChatbotConfig, CoderConfig, ApiConfig, AgentConfig)
+    cls.name: cls
+    for cls in (ChatbotConfig, CoderConfig, ApiConfig, AgentConfig, HotPrefixConfig, MixedConfig)
 }
 """Workload name → config class (each field documented with its source; ``description`` says what it is)."""
 

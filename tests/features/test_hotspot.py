@@ -16,7 +16,9 @@ from kvroute.features.window import SlidingCounts
     ("n_c", "total", "m", "n"),
     [(1, 4, 4, 16), (1, 2, 8, 16), (3, 16, 3, 16), (5, 20, 4, 16), (6, 12, 2, 4)],
 )
-def test_alarm_condition_exactly_equal_does_not_fire_just_above_does(n_c: int, total: int, m: int, n: int) -> None:
+def test_alarm_condition_exactly_equal_does_not_fire_just_above_does(
+    n_c: int, total: int, m: int, n: int
+) -> None:
     # the fixtures sit exactly on x/(1-x) == |M|/(N-|M|)
     x = Fraction(n_c, total)
     assert x / (1 - x) == Fraction(m, n - m)

@@ -55,7 +55,10 @@ def test_guarded_feeds_the_monitor_with_p_token_times_bs_plus_one() -> None:
 
 
 def test_cluster_load_is_max_of_kv_usage_and_batch_occupancy() -> None:
-    views = [InstanceView(index=0, running=128, kv_usage=0.2), InstanceView(index=1, running=300, kv_usage=0.4)]
+    views = [
+        InstanceView(index=0, running=128, kv_usage=0.2),
+        InstanceView(index=1, running=300, kv_usage=0.4),
+    ]
     assert cluster_load(views, 256) == pytest.approx((0.5 + 1.0) / 2)
     assert cluster_load(insts(0, 0, kv=0.9), 256) == pytest.approx(0.9)
     assert cluster_load([], 256) == 0.0

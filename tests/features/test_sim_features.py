@@ -52,7 +52,9 @@ def test_hotspot_flag_reaches_the_runner() -> None:
 
 def _cold_sim(scale_out: tuple[tuple[float, int], ...] = ((20.0, 2),)) -> ClusterSim:
     prof = get_profile()
-    cfg = SimConfig(instances=2, policy="lmetric", kv_capacity_tokens=prof.kv_capacity_tokens, scale_out=scale_out)
+    cfg = SimConfig(
+        instances=2, policy="lmetric", kv_capacity_tokens=prof.kv_capacity_tokens, scale_out=scale_out
+    )
     guard = Guarded(make_policy("lmetric"), FeatureConfig(cold_start=ColdStartConfig(window_s=30.0)))
     return ClusterSim(cfg, guard, prof.cost)
 
@@ -137,7 +139,9 @@ def test_spot_and_p_token_cap_flags_reach_the_simulator(tmp_path: Path) -> None:
         ["--cold-start", "--cold-start-cap", "maybe"],
     ],
 )
-def test_bad_feature_flags_are_one_line_user_errors(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_feature_flags_are_one_line_user_errors(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     rc = main(["sim", "--workload", "coder", "--duration", "5", "--instances", "4", "--no-progress", *flags])
     assert rc == 2
     err = capsys.readouterr().err

@@ -232,3 +232,23 @@ async def test_health_and_metrics_endpoints(tokenizer: Tokenizer) -> None:
                 assert r.status == 503
     finally:
         await server.stop()
+
+
+async def test_long_prompt_tokenized_off_loop_routes_like_inline(tokenizer: Tokenizer) -> None:
+    """A prompt over OFFLOAD_CHARS goes through the tokenizer thread; the routing state it leaves
+    (the approximate KV view of the chosen backend) equals what the inline path computes."""
+    from kvroute.server.proxy import OFFLOAD_CHARS
+    from kvroute.server.validate import parse_request
+
+    long_body = {**BODY, "prompt": "the quick brown fox jumps " * (OFFLOAD_CHARS // 20)}
+    assert len(long_body["prompt"]) >= OFFLOAD_CHARS
+    t = FakeTransport({A: [Scripted(), Scripted()]})
+    server = await start(t, tokenizer, A)
+    try:
+        status, _, _ = await post(server.url, long_body)
+        assert status == 200
+        inline = server.core.plan(parse_request(orjson.dumps(long_body), chat=False))
+        assert server.core.kv.match(inline.chain, server.core.clock())[0] == len(inline.chain) > 0
+        assert counters_zero(server)
+    finally:
+        await server.stop()

@@ -112,6 +112,7 @@ class RouterServer:
             await self._runner.cleanup()
             self._runner = None
         await self.transport.close()
+        self.proxy.close()
         if self._zmq is not None:
             self._zmq.term()
             self._zmq = None

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 from aiohttp import web
@@ -27,7 +28,7 @@ from aiohttp import web
 from kvroute.server.backends import BackendState, Lease
 from kvroute.server.router import Plan, RouterCore
 from kvroute.server.transport import Transport, UpstreamBrokenError, UpstreamConnectError, UpstreamResponse
-from kvroute.server.validate import ApiError, error_body, parse_request
+from kvroute.server.validate import ApiError, ParsedRequest, error_body, parse_request
 
 __all__ = ["Proxy", "extract_cached_tokens"]
 
@@ -63,6 +64,17 @@ def extract_cached_tokens(data: bytes) -> int | None:
     return cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
 
 
+OFFLOAD_CHARS = 8192
+"""Prompts at least this long (characters; ~2,000 tokens, a couple of ms to tokenize) are tokenized
+off the event loop. Shorter ones are cheaper than the thread hand-off."""
+
+
+def _prompt_chars(req: ParsedRequest) -> int:
+    if req.messages is not None:
+        return sum(len(m["content"]) for m in req.messages if isinstance(m.get("content"), str))
+    return len(req.prompt) if isinstance(req.prompt, str) else 0
+
+
 class _ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
 
@@ -75,6 +87,13 @@ class Proxy:
         self.transport = transport
         self.route_seconds_sum = 0.0  # time spent routing (parse + tokenize + plan), seconds
         self.route_count = 0
+        # Long prompts are tokenized on one worker thread (HF tokenizers releases the GIL), so the
+        # event loop keeps relaying other streams meanwhile; threads start on first use.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-tokenize")
+
+    def close(self) -> None:
+        """Stop the tokenizer thread (pending work is finished first)."""
+        self._tokenize_pool.shutdown(wait=True)
 
     # ---- handlers ----------------------------------------------------------------------------
 
@@ -103,7 +122,11 @@ class Proxy:
             raw = await self._read_body(request)
             t0 = time.perf_counter()
             parsed = parse_request(raw, chat)
-            plan = self.core.plan(parsed)
+            ids = None
+            if _prompt_chars(parsed) >= OFFLOAD_CHARS:
+                loop = asyncio.get_running_loop()
+                ids = await loop.run_in_executor(self._tokenize_pool, self.core.tokens, parsed)
+            plan = self.core.plan(parsed, ids)
             self.route_seconds_sum += time.perf_counter() - t0
             self.route_count += 1
         except ApiError as err:

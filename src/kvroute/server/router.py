@@ -89,12 +89,14 @@ class RouterCore:
         except (TypeError, ValueError, KeyError) as exc:
             raise ApiError(400, f"cannot tokenize the request: {exc}") from None
 
-    def plan(self, req: ParsedRequest) -> Plan:
-        """Route ``req``. Raises ApiError(503) when no backend is healthy, 400 for untokenizable input."""
+    def plan(self, req: ParsedRequest, ids: Sequence[int] | None = None) -> Plan:
+        """Route ``req`` (``ids``: its token ids when already computed, e.g. on a worker thread).
+        Raises ApiError(503) when no backend is healthy, 400 for untokenizable input."""
         candidates = [b for b in self.backends if b.healthy]
         if not candidates:
             raise ApiError(503, "no healthy backend", etype="service_unavailable")
-        ids = self.tokens(req)
+        if ids is None:
+            ids = self.tokens(req)
         bs = self.config.block_size
         try:
             chain = tuple(hash_blocks(ids, bs, extra_key=req.cache_salt))

@@ -16,6 +16,7 @@ prefix share their leading segments, and a conversation's earlier turns hit the 
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -52,30 +53,34 @@ def split_points(text: str, every: int = SEGMENT_CHARS) -> list[int]:
 class RequestTokenizer:
     """Tokenizes prompts and chats; ``cache_entries`` bounds the per-message cache (0 disables it).
 
-    Mutates only its own cache and hit/miss counters.
+    Mutates only its own cache and hit/miss counters; safe to call from several threads (the cache
+    is locked, the tokenizer itself runs outside the lock and releases the GIL).
     """
 
     def __init__(self, tokenizer: Tokenizer, cache_entries: int = 65536) -> None:
         self.tokenizer = tokenizer
         self._cache: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
         self._max = cache_entries
+        self._lock = threading.Lock()  # the proxy may tokenize long prompts on a worker thread
         self.hits = 0
         self.misses = 0
 
     def _message(self, role: str, content: str) -> tuple[int, ...]:
         key = (role, content)
         cache = self._cache
-        ids = cache.get(key)
-        if ids is not None:
-            cache.move_to_end(key)
-            self.hits += 1
-            return ids
-        self.misses += 1
+        with self._lock:
+            ids = cache.get(key)
+            if ids is not None:
+                cache.move_to_end(key)
+                self.hits += 1
+                return ids
+            self.misses += 1
         ids = tuple(self.tokenizer.message_tokens(role, content))
         if self._max:
-            cache[key] = ids
-            if len(cache) > self._max:
-                cache.popitem(last=False)
+            with self._lock:
+                cache[key] = ids
+                if len(cache) > self._max:
+                    cache.popitem(last=False)
         return ids
 
     def chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
@@ -108,14 +113,16 @@ class RequestTokenizer:
     def _segment(self, text: str) -> tuple[int, ...]:
         key = ("", text)  # role "" never collides with a chat message key (roles are non-empty)
         cache = self._cache
-        ids = cache.get(key)
-        if ids is not None:
-            cache.move_to_end(key)
-            self.hits += 1
-            return ids
-        self.misses += 1
+        with self._lock:
+            ids = cache.get(key)
+            if ids is not None:
+                cache.move_to_end(key)
+                self.hits += 1
+                return ids
+            self.misses += 1
         ids = tuple(self.tokenizer.encode(text))
-        cache[key] = ids
-        if len(cache) > self._max:
-            cache.popitem(last=False)
+        with self._lock:
+            cache[key] = ids
+            if len(cache) > self._max:
+                cache.popitem(last=False)
         return ids

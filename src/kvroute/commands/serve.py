@@ -63,6 +63,9 @@ def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> N
     p.add_argument("--health-interval", type=float, help="seconds between health checks (default 1)")
     p.add_argument("--max-retries", type=int, help="retries on other backends before the first byte (2)")
     p.add_argument("--eject-after", type=int, help="failed health checks before ejection (default 3)")
+    from kvroute.features.config import add_router_feature_arguments
+
+    add_router_feature_arguments(p)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -106,7 +109,19 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         for b in backends
     ]
     cfg = dataclasses.replace(base, backends=tuple(backends), **overrides(args)).validate()
-    make_policy(cfg.policy)  # fail early on an unknown policy name
+    cfg = with_feature_flags(cfg, args)
+    return cfg
+
+
+def with_feature_flags(cfg: RouterConfig, args: argparse.Namespace) -> RouterConfig:
+    """``cfg`` with the feature flags applied; fails early on a bad policy or feature combination."""
+    from kvroute.features.config import merge_feature_flags
+    from kvroute.policies.guarded import Guarded
+
+    cfg = dataclasses.replace(cfg, features=merge_feature_flags(cfg.features, args))
+    policy = make_policy(cfg.policy)  # fail early on an unknown policy name
+    if cfg.features is not None and cfg.features.any:
+        Guarded(policy, cfg.features)  # e.g. classes need lmetric
     return cfg
 
 

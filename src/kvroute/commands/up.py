@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import sys
 
-from kvroute.commands.serve import add_router_arguments, overrides
+from kvroute.commands.serve import add_router_arguments, overrides, with_feature_flags
 from kvroute.errors import UserError
 from kvroute.policies.registry import make_policy
 
@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         backends = await cluster.start()
         try:
             cfg = dataclasses.replace(RouterConfig(backends=backends), **overrides(args)).validate()
+            cfg = with_feature_flags(cfg, args)
             server = RouterServer(cfg)
             try:
                 url = await server.start()

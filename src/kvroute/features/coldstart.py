@@ -3,11 +3,17 @@
 An instance that joins, restarts or drops its whole cache (``AllBlocksCleared``) is *warming* for
 ``window_s`` seconds (default 300). While warming (see :class:`~kvroute.policies.guarded.Guarded`):
 
-- **BS cap**: it is not chosen while its BS (running + waiting) is at or above
-  ``max(1, bs_cap_fraction × mean BS of the warm instances)`` (default half the mean) and another
-  instance is eligible. Read literally, "cap BS at half the mean" could also mean *pretending* its BS
-  is lower; that would pull *more* traffic onto an instance whose every request is a full prefill, the
-  opposite of a gradual warm-up, so the cap limits what it is given. No warm instance → no cap.
+- **BS cap** (``cap_mode``), with ``cap = bs_cap_fraction × mean BS of the warm instances`` (default
+  half the mean; no warm instance → no cap):
+
+  - ``"admit"`` (default): the warming instance is not chosen while its BS (running + waiting) is at
+    or above ``max(1, cap)`` and another instance is eligible — it is *given* at most half the
+    average load while its cache is cold;
+  - ``"score"``: the BS its score uses is ``min(BS, cap)`` — the other reading of "cap BS at half the
+    mean", which makes it look *less* loaded and pulls traffic onto it;
+  - ``"none"``: no cap (only the score offset and the preloads).
+
+  ``docs/results/features.md`` measures the three around a scale-out.
 - **Score**: ``(P-token + p_token_offset) × (BS + 1)`` with ``p_token_offset`` = 10 (lmetric only).
 - **Preload**: the ``preload_prefixes`` most frequent prefix classes of the last ``preload_window_s``
   seconds are sent to it as ``max_tokens = 1`` requests whose prompt is the class's longest common

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from kvroute.errors import UserError
 from kvroute.views import InstanceView, RequestView
 
-__all__ = ["LimitsConfig", "QuotaConfig", "TokenBuckets", "limit_mask"]
+__all__ = ["LimitsConfig", "QuotaConfig", "TokenBuckets", "limit_mask", "narrow_mask"]
 
 ANONYMOUS = "-"
 
@@ -46,7 +46,7 @@ class LimitsConfig:
         return self.p_token_cap is not None or self.spot_max_tokens is not None
 
 
-def _narrow(mask: list[bool], keep: Sequence[bool]) -> tuple[list[bool], int]:
+def narrow_mask(mask: list[bool], keep: Sequence[bool]) -> tuple[list[bool], int]:
     """``mask AND keep`` if that leaves an instance, else ``mask``; and how many it excluded."""
     new = [a and b for a, b in zip(mask, keep, strict=True)]
     if any(new):
@@ -67,23 +67,31 @@ def limit_mask(
     limit = config.spot_max_tokens
     if limit is not None and request.prompt_tokens + request.max_tokens > limit:
         tag = config.spot_tag
-        mask, spot_out = _narrow(mask, [tag not in v.tags for v in instances])
+        mask, spot_out = narrow_mask(mask, [tag not in v.tags for v in instances])
     cap = config.p_token_cap
     if cap is not None:
-        mask, cap_out = _narrow(mask, [p <= cap for p in p_token])
+        mask, cap_out = narrow_mask(mask, [p <= cap for p in p_token])
     return mask, spot_out, cap_out
+
+
+QUOTA_KEYS = ("user", "api_key")
 
 
 @dataclass(frozen=True, slots=True)
 class QuotaConfig:
-    """Per-key token bucket: refill ``tokens_per_s``, size ``burst`` tokens."""
+    """Per-key token bucket: refill ``tokens_per_s``, size ``burst`` tokens. ``key`` (router only):
+    which identity owns the bucket, ``"user"`` (the body's ``user`` field, else the API key) or
+    ``"api_key"`` (the bearer token, else the ``user`` field)."""
 
     tokens_per_s: float
     burst: float
+    key: str = "user"
 
     def check(self) -> QuotaConfig:
         if not self.tokens_per_s > 0 or not self.burst > 0:
             raise UserError("quota: tokens per second and burst must be > 0")
+        if self.key not in QUOTA_KEYS:
+            raise UserError(f"quota: key must be one of {', '.join(QUOTA_KEYS)}, got {self.key!r}")
         return self
 
 

@@ -39,7 +39,7 @@ from kvroute.errors import UserError
 from kvroute.features.classes import ClassConfig, class_weight
 from kvroute.features.coldstart import ColdStartConfig, FrequentPrefixes, Prefix, WarmupTracker
 from kvroute.features.hotspot import HotspotConfig, HotspotDetector
-from kvroute.features.limits import LimitsConfig, QuotaConfig, TokenBuckets, limit_mask
+from kvroute.features.limits import LimitsConfig, QuotaConfig, TokenBuckets, limit_mask, narrow_mask
 from kvroute.features.loadadapt import LoadAdaptiveConfig, cluster_load, load_bs_weight
 from kvroute.features.monitor import ScoreMonitor, ScoreMonitorConfig
 from kvroute.features.prefix import DEFAULT_CLASS_TOKENS, class_blocks, prefix_class
@@ -82,13 +82,6 @@ class FeatureConfig:
             if value is not None:
                 value.check()
         return self
-
-
-def _narrow(mask: list[bool], keep: Sequence[bool]) -> tuple[list[bool], int]:
-    new = [a and b for a, b in zip(mask, keep, strict=True)]
-    if any(new):
-        return new, sum(mask) - sum(new)
-    return mask, 0
 
 
 class Guarded:
@@ -250,7 +243,7 @@ class Guarded:
                 self.counts["warming_capped"] += 1
             return mask, capped
         limit = max(1.0, cap)
-        mask, out = _narrow(mask, [not w or b < limit for w, b in zip(warming, bs, strict=True)])
+        mask, out = narrow_mask(mask, [not w or b < limit for w, b in zip(warming, bs, strict=True)])
         if out:
             self.counts["warming_capped"] += 1
         return mask, bs

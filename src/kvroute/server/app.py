@@ -17,6 +17,7 @@ import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from kvroute.features.prometheus import FeatureCollector
 from kvroute.policies.registry import make_policy
 from kvroute.server.config import RouterConfig
 from kvroute.server.events import EventSubscriber
@@ -64,6 +65,9 @@ class RouterServer:
         self._runner: web.AppRunner | None = None
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(RouterCollector(self.core, self.subscribers, self.proxy))
+        if self.core.guard is not None:  # production features: alarms, score histogram, warming
+            labels = [(b.index, b.url) for b in self.core.backends]
+            self.registry.register(FeatureCollector(self.core.guard, labels, self.core.clock))
         self.url = ""
 
     def make_app(self) -> web.Application:
@@ -100,6 +104,8 @@ class RouterServer:
                 self._tasks.append(asyncio.create_task(sub.run()))
         self._tasks.append(asyncio.create_task(self.monitor.health_loop()))
         self._tasks.append(asyncio.create_task(self.monitor.scrape_loop()))
+        if self.core.guard is not None and self.core.guard.warmup is not None:
+            self._tasks.append(asyncio.create_task(self.monitor.preload_loop()))
 
     async def stop(self) -> None:
         for t in self._tasks:

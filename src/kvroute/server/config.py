@@ -18,7 +18,10 @@ YAML layout (every key optional except ``backends``)::
     max_body_bytes: 33554432
     scrape_interval_s: 0.05
     health_interval_s: 1.0
+    features: {hotspot: true, monitor: true}  # production features, see kvroute.features.config
     ...                                       # any other RouterConfig field by name
+
+A backend mapping may carry ``tags: [spot]`` (spot instances, see ``features.limits``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from kvroute.errors import UserError
+from kvroute.policies.guarded import FeatureConfig
 
 __all__ = ["BackendSpec", "RouterConfig", "config_from_mapping", "load_config_file", "parse_backend_url"]
 
@@ -43,11 +47,13 @@ class BackendSpec:
     - ``kv_events``: ZMQ PUB endpoint of the engine's KV events (``tcp://host:port``); None → the
       approximate KV view (routing history) for this backend.
     - ``kv_replay``: ZMQ ROUTER endpoint for replaying missed event batches after a sequence gap.
+    - ``tags``: labels of the backend, e.g. ``("spot",)`` (see ``kvroute.features.limits``).
     """
 
     url: str
     kv_events: str | None = None
     kv_replay: str | None = None
+    tags: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +93,7 @@ class RouterConfig:
     kv_recovery_s: float = 30.0
     tokenizer_cache_entries: int = 65536
     retry_after_s: int = 1
+    features: FeatureConfig | None = None  # production features (kvroute.features); None: all off
 
     def validate(self) -> RouterConfig:
         """Return self; raise :class:`UserError` for a value out of range."""
@@ -135,7 +142,7 @@ def _backend_from(item: Any, where: str) -> BackendSpec:
     if isinstance(item, str):
         return BackendSpec(parse_backend_url(item))
     if isinstance(item, Mapping):
-        unknown = set(item) - {"url", "kv_events", "kv_replay"}
+        unknown = set(item) - {"url", "kv_events", "kv_replay", "tags"}
         if unknown:
             raise UserError(f"{where}: unknown backend keys {sorted(unknown)}")
         url = item.get("url")
@@ -145,7 +152,10 @@ def _backend_from(item: Any, where: str) -> BackendSpec:
         for name, val in (("kv_events", kv), ("kv_replay", rep)):
             if val is not None and not (isinstance(val, str) and val.startswith(("tcp://", "ipc://"))):
                 raise UserError(f"{where}: {name} must be a tcp:// or ipc:// endpoint")
-        return BackendSpec(parse_backend_url(url), kv, rep)
+        tags = item.get("tags", [])
+        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+            raise UserError(f"{where}: a backend's tags must be a list of strings")
+        return BackendSpec(parse_backend_url(url), kv, rep, tuple(tags))
     raise UserError(f"{where}: a backend is a URL string or a mapping with 'url'")
 
 
@@ -162,6 +172,11 @@ def config_from_mapping(data: Mapping[str, Any], where: str = "config") -> Route
             if not isinstance(value, list):
                 raise UserError(f"{where}: 'backends' must be a list")
             kwargs["backends"] = tuple(_backend_from(v, where) for v in value)
+            continue
+        if key == "features":
+            from kvroute.features.config import features_from_mapping
+
+            kwargs["features"] = features_from_mapping(value, where)
             continue
         f = _FIELDS.get(key)
         if f is None:

@@ -21,7 +21,7 @@ missed blocks (up to the configured capacity). Additive increase, multiplicative
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvroute.blocks import hash_blocks
 from kvroute.engine.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -60,6 +60,8 @@ class KVView:
         self._last_now = float("-inf")
         self.skipped_blocks = 0  # BlockStored blocks dropped (unknown parent, no tokens, block size)
         self.corrections = 0
+        # Called with the backend index on AllBlocksCleared (cold start: the backend warms up again).
+        self.on_cleared: Callable[[int], None] | None = None
 
     def _now(self, now: float) -> float:
         # The approximate index refuses time going backwards; keep ours monotone.
@@ -143,6 +145,8 @@ class KVView:
             elif isinstance(ev, AllBlocksCleared):
                 self.exact.clear(backend)
                 hmap.clear()
+                if self.on_cleared is not None:
+                    self.on_cleared(backend)
 
     def _stored(self, backend: int, hmap: dict[int, int], ev: BlockStored) -> None:
         n = len(ev.block_hashes)

@@ -13,7 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from kvroute.server.backends import BackendState, parse_vllm_metrics
+import orjson
+
+from kvroute.features.coldstart import Prefix
+from kvroute.server.backends import BackendState, Lease, parse_vllm_metrics
 from kvroute.server.router import RouterCore
 from kvroute.server.transport import Transport, UpstreamError
 
@@ -31,6 +34,8 @@ class Monitor:
         self.transport = transport
         self.scrapes = 0
         self.scrape_failures = 0
+        self.preloads_sent = 0
+        self.preload_failures = 0
 
     async def check_health(self, backend: BackendState) -> bool:
         """One health check; updates the backend and returns whether it passed."""
@@ -50,6 +55,7 @@ class Monitor:
         if ok:
             if backend.check_passed(cfg.readmit_after):
                 log.warning("re-admitted backend %s", backend.url)
+                self.core.backend_reset(backend.index)  # cold start: it restarted (or joined)
         elif backend.check_failed(cfg.eject_after):
             log.warning("ejected backend %s after %d failed health checks", backend.url, backend.failures)
         return ok
@@ -81,6 +87,55 @@ class Monitor:
             await asyncio.gather(*(self.check_health(b) for b in self.core.backends))
             self.core.kv.expire(self.core.clock())
             await asyncio.sleep(interval)
+
+    async def preload(self, index: int, prefix: Prefix) -> bool:
+        """Cold start: send ``prefix`` to backend ``index`` as a ``max_tokens: 1`` completion so that
+        the backend caches it; counted in the backend's load while it runs. True on a 2xx."""
+        if prefix.tokens is None:
+            return False
+        core, cfg = self.core, self.core.config
+        backend = core.backends[index]
+        body: dict[str, object] = {"prompt": list(prefix.tokens), "max_tokens": 1}
+        if prefix.model is not None:
+            body["model"] = prefix.model
+        lease = Lease(backend, len(prefix.tokens))
+        core.kv.on_routed(index, prefix.chain, core.clock())
+        ok = False
+        try:
+            resp = await self.transport.send(
+                backend.url,
+                "POST",
+                "/v1/completions",
+                orjson.dumps(body),
+                {"Content-Type": "application/json"},
+            )
+            try:
+                async with asyncio.timeout(cfg.upstream_timeout_s):
+                    await resp.read()
+                ok = 200 <= resp.status < 300
+                resp.release()
+            finally:
+                resp.abort()
+        except (UpstreamError, TimeoutError):
+            ok = False
+        finally:
+            lease.release()
+        if ok:
+            self.preloads_sent += 1
+        else:
+            self.preload_failures += 1
+            log.warning(
+                "cold start: preloading a %d-token prefix on %s failed", len(prefix.tokens), backend.url
+            )
+        return ok
+
+    async def preload_loop(self, interval_s: float = 0.1) -> None:
+        """Send the preloads queued by cold start (backend re-admitted or cache cleared)."""
+        while True:
+            todo = self.core.take_preloads()
+            if todo:
+                await asyncio.gather(*(self.preload(i, p) for i, p in todo))
+            await asyncio.sleep(interval_s)
 
     async def scrape_loop(self) -> None:
         interval = self.core.config.scrape_interval_s

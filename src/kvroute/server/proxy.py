@@ -26,7 +26,7 @@ import orjson
 from aiohttp import web
 
 from kvroute.server.backends import BackendState, Lease
-from kvroute.server.router import Plan, RouterCore
+from kvroute.server.router import Plan, QuotaExceeded, RouterCore
 from kvroute.server.transport import Transport, UpstreamBrokenError, UpstreamConnectError, UpstreamResponse
 from kvroute.server.validate import ApiError, ParsedRequest, error_body, parse_request
 
@@ -126,13 +126,16 @@ class Proxy:
             if _prompt_chars(parsed) >= OFFLOAD_CHARS:
                 loop = asyncio.get_running_loop()
                 ids = await loop.run_in_executor(self._tokenize_pool, self.core.tokens, parsed)
-            plan = self.core.plan(parsed, ids)
+            plan = self.core.plan(parsed, ids, request.headers)
             self.route_seconds_sum += time.perf_counter() - t0
             self.route_count += 1
         except ApiError as err:
             if err.status == 503:
                 counters.unavailable += 1
                 return error_response(err, self.core.config.retry_after_s)
+            if isinstance(err, QuotaExceeded):  # 429 with Retry-After (token quota)
+                counters.client_errors += 1
+                return error_response(err, err.retry_after)
             counters.client_errors += 1
             counters.rejected += 1
             return error_response(err)

@@ -7,12 +7,18 @@ under tests and in production.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvroute.blocks import hash_blocks
+from kvroute.features.classes import CLASS_HEADER, resolve_class
+from kvroute.features.coldstart import Prefix
 from kvroute.policies.base import Policy
+from kvroute.policies.guarded import Guarded
 from kvroute.server.backends import BackendState
 from kvroute.server.config import RouterConfig
 from kvroute.server.kvview import KVView
@@ -20,7 +26,17 @@ from kvroute.server.tokenize import RequestTokenizer
 from kvroute.server.validate import ApiError, ParsedRequest
 from kvroute.views import Decision, RequestView
 
-__all__ = ["Plan", "RouterCore", "RouterCounters"]
+__all__ = ["Plan", "QuotaExceeded", "RouterCore", "RouterCounters"]
+
+log = logging.getLogger("kvroute.server")
+
+
+class QuotaExceeded(ApiError):
+    """429: the request's user / API key is over its token quota; retry after ``retry_after`` s."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(429, message, etype="rate_limit_exceeded")
+        self.retry_after = retry_after
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +93,13 @@ class RouterCore:
             exact_backends=frozenset(i for i, b in enumerate(config.backends) if b.kv_events),
         )
         self.counters = RouterCounters()
+        # Production features (kvroute.features): the policy wrapped when any is configured.
+        feats = config.features
+        self.guard = Guarded(policy, feats) if feats is not None and feats.any else None
+        self._tags = {i: frozenset(b.tags) for i, b in enumerate(config.backends) if b.tags}
+        self.preloads: list[tuple[int, Prefix]] = []  # cold-start preloads for the monitor to send
+        if self.guard is not None and self.guard.warmup is not None:
+            self.kv.on_cleared = self.backend_reset
 
     def tokens(self, req: ParsedRequest) -> Sequence[int]:
         """The prompt's token ids (400 for content the tokenizer rejects)."""
@@ -89,9 +112,13 @@ class RouterCore:
         except (TypeError, ValueError, KeyError) as exc:
             raise ApiError(400, f"cannot tokenize the request: {exc}") from None
 
-    def plan(self, req: ParsedRequest, ids: Sequence[int] | None = None) -> Plan:
-        """Route ``req`` (``ids``: its token ids when already computed, e.g. on a worker thread).
-        Raises ApiError(503) when no backend is healthy, 400 for untokenizable input."""
+    def plan(
+        self, req: ParsedRequest, ids: Sequence[int] | None = None, headers: Mapping[str, str] | None = None
+    ) -> Plan:
+        """Route ``req`` (``ids``: its token ids when already computed, e.g. on a worker thread;
+        ``headers``: the client's, for the class header and the API key). Raises ApiError(503) when no
+        backend is healthy, 400 for untokenizable input or an unknown request class, QuotaExceeded
+        (429) over quota."""
         candidates = [b for b in self.backends if b.healthy]
         if not candidates:
             raise ApiError(503, "no healthy backend", etype="service_unavailable")
@@ -109,6 +136,14 @@ class RouterCore:
         cached = tuple(min(c * bs, n_prompt) for c in cached_blocks)
         stale = self.config.scrape_stale_s
         views = [b.view(now, stale) for b in candidates]
+        guard = self.guard
+        req_class = "default"
+        key = chain[0] if chain else 0
+        if guard is not None:
+            req_class, key = self._features(guard, req, headers or {}, ids, chain, now)
+            if self._tags:
+                tags = self._tags
+                views = [dataclasses.replace(v, tags=tags[v.index]) if v.index in tags else v for v in views]
         rv = RequestView(
             prompt_tokens=n_prompt,
             cached_tokens=cached,
@@ -116,9 +151,14 @@ class RouterCore:
             block_size=bs,
             max_tokens=req.max_tokens,
             user=req.user,
-            prefix_key=chain[0] if chain else 0,
+            req_class=req_class,
+            prefix_key=key,
         )
-        decision = self.policy.choose(rv, views)
+        if guard is not None:
+            decision = guard.decide(rv, views, now)
+            self.drain_log()
+        else:
+            decision = self.policy.choose(rv, views)
         order = _retry_order(decision, [b.index for b in candidates])
         return Plan(
             order=order,
@@ -128,6 +168,56 @@ class RouterCore:
             cached_blocks={b.index: c for b, c in zip(candidates, cached_blocks, strict=True)},
             decision=decision,
         )
+
+    def _features(
+        self,
+        guard: Guarded,
+        req: ParsedRequest,
+        headers: Mapping[str, str],
+        ids: Sequence[int],
+        chain: tuple[int, ...],
+        now: float,
+    ) -> tuple[str, int]:
+        """Quota (429), request class (400 for an unknown one) and prefix class of ``req``."""
+        feats = guard.features
+        if feats.quota is not None:
+            auth = headers.get("Authorization") or headers.get("authorization") or ""
+            api_key = auth[7:].strip() if auth[:7].lower() == "bearer " else None
+            who = (api_key or req.user) if feats.quota.key == "api_key" else (req.user or api_key)
+            wait = guard.admit(who, len(ids) + req.max_tokens, now)
+            if wait:
+                raise QuotaExceeded(
+                    f"token quota exceeded for {'this API key' if who == api_key and who else 'this user'}; "
+                    f"retry in {wait:.1f} s",
+                    max(1, math.ceil(wait)),
+                )
+        req_class = "default"
+        if feats.classes is not None:
+            try:
+                req_class = resolve_class(headers.get(CLASS_HEADER), req.user, req.model, feats.classes)
+            except ValueError as exc:
+                raise ApiError(400, str(exc)) from None
+        tokens = ids if req.cache_salt is None else None  # salted chains cannot be preloaded unsalted
+        return req_class, guard.note(chain, self.config.block_size, now, tokens, req.model)
+
+    def backend_reset(self, index: int) -> None:
+        """Backend ``index`` restarted, was re-admitted or cleared its cache: with cold start on it
+        warms up, and the frequent prefixes are queued in ``preloads``."""
+        if self.guard is None:
+            return
+        self.preloads.extend((index, p) for p in self.guard.instance_reset(index, self.clock()))
+        self.drain_log()
+
+    def take_preloads(self) -> list[tuple[int, Prefix]]:
+        out, self.preloads = self.preloads, []
+        return out
+
+    def drain_log(self) -> None:
+        """Write what the features noticed (alarms, alerts, warm-ups) to the log."""
+        guard = self.guard
+        if guard is not None:
+            while guard.log:
+                log.warning("%s", guard.log.popleft())
 
 
 def _retry_order(decision: Decision, indices: Sequence[int]) -> tuple[int, ...]:

@@ -80,9 +80,9 @@ def test_preloaded_prefix_is_a_cache_hit_on_the_new_instance() -> None:
     guard = sim.guard
     assert guard is not None and guard._frequent is not None
     top = guard._frequent.top(1, sim.loop.now)
-    if top:  # the hottest class's common prefix is cached on both new instances
-        chain = top[0].chain
-        assert all(sim._insts[i].engine.pool.count_hits(chain, len(chain))[0] > 0 for i in (2, 3))
+    assert top and top[0].count >= 2
+    chain = top[0].chain  # the hottest class's common prefix is cached on both new instances
+    assert all(sim._insts[i].engine.pool.count_hits(chain, len(chain))[0] > 0 for i in (2, 3))
 
 
 def test_all_blocks_cleared_starts_a_warm_up() -> None:

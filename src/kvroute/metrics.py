@@ -27,6 +27,15 @@ def summarize_ms(values_s: array | list[float] | np.ndarray) -> dict[str, float]
     }
 
 
+def quantile_points_ms(values_s: array | list[float] | np.ndarray, n: int) -> list[float]:
+    """At most ``n`` evenly spaced quantiles (minimum and maximum included) of values given in seconds,
+    in milliseconds, ascending: a downsampled empirical CDF. All values when there are at most ``n``."""
+    a = np.frombuffer(values_s, dtype=np.float64) if isinstance(values_s, array) else np.asarray(values_s)
+    if a.size <= n:
+        return [float(v) for v in np.sort(a) * 1000.0]
+    return [float(v) for v in np.quantile(a, np.linspace(0.0, 1.0, n)) * 1000.0]
+
+
 class LatencyRecorder:
     """Accumulates finished requests.
 

@@ -10,6 +10,9 @@ from typing import Any
 
 from kvroute.errors import UserError
 
+SAMPLE_POINTS = 2000
+"""Most per-request points ``run_spec`` returns per metric with ``keep_samples`` (evenly spaced quantiles)."""
+
 
 @dataclass(frozen=True, slots=True)
 class RunSpec:
@@ -53,6 +56,9 @@ class RunSpec:
     spot_instances: int = 0
     spot_max_tokens: int | None = None
     quota: tuple[float, float] | None = None  # (tokens per s, burst tokens) per user
+    # Opt-in: also return ``out["samples"]`` (TTFT/TPOT quantile points in ms, at most
+    # ``SAMPLE_POINTS``) for CDF plots. Not a `kvroute sim` flag; it does not change the run.
+    keep_samples: bool = False
 
     def command_line(self) -> str:
         """The `kvroute sim` command that reproduces this run."""
@@ -96,8 +102,9 @@ def load_profile(spec: RunSpec) -> Any:
 
 def run_spec(spec: RunSpec, progress: Callable[[float, int, int], None] | None = None) -> dict[str, Any]:
     """Run one simulation; returns the contract's summary dict plus ``profile``, ``workload``,
-    ``rate_scale``, ``skipped_lines`` and ``command``."""
+    ``rate_scale``, ``skipped_lines`` and ``command`` (and ``samples`` with ``spec.keep_samples``)."""
     from kvroute.features.flags import features_from_spec
+    from kvroute.metrics import quantile_points_ms
     from kvroute.policies.guarded import Guarded
     from kvroute.policies.registry import make_policy
     from kvroute.sim.cluster import ClusterSim, SimConfig
@@ -128,7 +135,13 @@ def run_spec(spec: RunSpec, progress: Callable[[float, int, int], None] | None =
     stream, stats = open_workload(
         spec.trace, spec.fmt, spec.workload, spec.rate_scale, spec.duration, spec.seed, spec.skip_bad_lines
     )
-    out = ClusterSim(cfg, policy, profile.cost).run(stream, progress)
+    sim = ClusterSim(cfg, policy, profile.cost)
+    out = sim.run(stream, progress)
+    if spec.keep_samples:
+        out["samples"] = {
+            "ttft_ms": quantile_points_ms(sim.recorder.ttft, SAMPLE_POINTS),
+            "tpot_ms": quantile_points_ms(sim.recorder.tpot, SAMPLE_POINTS),
+        }
     out["profile"] = profile.name
     out["workload"] = spec.trace or spec.workload
     out["rate_scale"] = spec.rate_scale

@@ -1,0 +1,485 @@
+"""Comparisons: many :class:`~kvroute.sim.runner.RunSpec` runs in worker processes, the saturation
+search, and the paper preset's plan and orchestration. No files, no plots: the CLI layer
+(``kvroute.commands.compare``) writes and draws what these functions return.
+
+Saturation (used by ``kvroute compare --preset paper``): a run at rate scale ``r`` is *saturated* when
+the reference policy (``vllm``) leaves requests unfinished, or when its mean TTFT exceeds
+``threshold`` × its mean TTFT at the light rate (default 10×). The search probes the light rate, then
+multiplies the rate by ``factor`` (2) until a probe saturates, then bisects ``refine`` times (2) in log
+space between the last unsaturated and the first saturated probe. The *max rate* is the highest probe
+that did not saturate (the testbed's max sustainable rate, to within ``factor ** (1 / 2 ** refine)``);
+the paper's default load is half of it.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, field, replace
+from types import TracebackType
+from typing import Any
+
+from kvroute.errors import UserError
+from kvroute.sim.runner import RunSpec, run_spec
+
+Summary = dict[str, Any]
+BatchRunner = Callable[[Sequence[RunSpec]], list[Summary]]
+
+
+# ------------------------------------------------------------------------------------------- the grid
+
+
+def reference_setting(
+    base: RunSpec, scrape_intervals: Sequence[float] = (), event_delays: Sequence[float] = ()
+) -> tuple[float, float]:
+    """The (scrape interval, event delay) whose runs make the per-rate tables and the CDFs: ``base``'s
+    value of each unless a sweep list omits it, then the list's first value."""
+    scrape = base.scrape_interval
+    if scrape_intervals and scrape not in scrape_intervals:
+        scrape = scrape_intervals[0]
+    delay = base.event_delay
+    if event_delays and delay not in event_delays:
+        delay = event_delays[0]
+    return scrape, delay
+
+
+def expand_grid(
+    base: RunSpec,
+    policies: Sequence[str],
+    rate_scales: Sequence[float],
+    scrape_intervals: Sequence[float] = (),
+    event_delays: Sequence[float] = (),
+    samples_at: float | None = None,
+) -> list[RunSpec]:
+    """Every (policy, rate scale, scrape interval, event delay) combination of ``base``, in that
+    nesting order (policy outermost). Empty staleness lists mean ``base``'s own value. Runs at rate
+    scale ``samples_at`` with the :func:`reference_setting` keep their per-request samples."""
+    scrapes = tuple(scrape_intervals) or (base.scrape_interval,)
+    delays = tuple(event_delays) or (base.event_delay,)
+    ref = reference_setting(base, scrape_intervals, event_delays)
+    out = []
+    for policy in policies:
+        for rate in rate_scales:
+            for scrape in scrapes:
+                for delay in delays:
+                    keep = rate == samples_at and (scrape, delay) == ref
+                    out.append(
+                        replace(
+                            base,
+                            policy=policy,
+                            rate_scale=rate,
+                            scrape_interval=scrape,
+                            event_delay=delay,
+                            keep_samples=keep,
+                        )
+                    )
+    return out
+
+
+def run_one(spec: RunSpec) -> Summary:
+    """``run_spec(spec)`` plus the spec's staleness settings, duration and ``cpu_seconds`` (this
+    process's CPU time for the run: unlike ``wall_seconds``, not inflated by other load); the function
+    worker processes call. A user error crosses the process boundary as a plain :class:`UserError`."""
+    cpu0 = time.process_time()
+    try:
+        out = run_spec(spec)
+    except UserError as exc:
+        raise UserError(str(exc)) from None
+    out["cpu_seconds"] = time.process_time() - cpu0
+    out["scrape_interval"] = spec.scrape_interval
+    out["event_delay"] = spec.event_delay
+    out["duration"] = spec.duration
+    return out
+
+
+class SpecRunner:
+    """Runs batches of specs: in ``jobs`` worker processes (spawned, so no state is inherited), or in
+    this process when ``jobs`` is 1. Use as a context manager; ``run`` returns summaries in the order
+    of the specs and calls ``on_done(spec, summary)`` as each finishes (in completion order)."""
+
+    def __init__(self, jobs: int, on_done: Callable[[RunSpec, Summary], None] | None = None) -> None:
+        if jobs < 1:
+            raise UserError(f"--jobs must be at least 1 (got {jobs})")
+        self.jobs = jobs
+        self.on_done = on_done
+        self._pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> SpecRunner:
+        if self.jobs > 1:
+            self._pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"))
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=exc is None, cancel_futures=True)
+            self._pool = None
+
+    def run(self, specs: Sequence[RunSpec]) -> list[Summary]:
+        """Run every spec (mutates nothing but the pool's state); raises the first error."""
+        results: list[Summary | None] = [None] * len(specs)
+        pool = self._pool
+        if pool is None or len(specs) <= 1:
+            for i, spec in enumerate(specs):
+                results[i] = self._done(spec, run_one(spec))
+        else:
+            pending: dict[Future[Summary], int] = {pool.submit(run_one, s): i for i, s in enumerate(specs)}
+            while pending:
+                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    i = pending.pop(fut)
+                    results[i] = self._done(specs[i], fut.result())
+        return [r for r in results if r is not None]
+
+    def _done(self, spec: RunSpec, out: Summary) -> Summary:
+        if self.on_done is not None:
+            self.on_done(spec, out)
+        return out
+
+
+# ------------------------------------------------------------------------------------------ saturation
+
+
+@dataclass(frozen=True, slots=True)
+class SaturationRule:
+    """How saturation is searched for; see the module docstring. ``light_rate``: the rate scale whose
+    mean TTFT is the light-load reference; ``max_ramp``: most rate multiplications before giving up."""
+
+    light_rate: float
+    threshold: float = 10.0
+    factor: float = 2.0
+    refine: int = 2
+    max_ramp: int = 8
+
+    def check(self) -> None:
+        """Raise UserError for nonsense settings."""
+        if not (self.light_rate > 0 and math.isfinite(self.light_rate)):
+            raise UserError(f"light rate must be a positive number (got {self.light_rate})")
+        if not self.threshold > 1 or not self.factor > 1:
+            raise UserError("saturation threshold and ramp factor must be > 1")
+        if self.refine < 0 or self.max_ramp < 1:
+            raise UserError("refine must be >= 0 and max_ramp >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """One measured rate: mean TTFT (ms), unfinished requests, whether it counts as saturated, and the
+    run's wall time (s)."""
+
+    rate: float
+    ttft_mean_ms: float
+    unfinished: int
+    saturated: bool
+    wall_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Saturation:
+    """The search's outcome. ``max_rate``: highest unsaturated probe; ``saturated_rate``: lowest
+    saturated probe (None if the ramp never saturated); ``light_ttft_ms``: the reference."""
+
+    light_ttft_ms: float
+    max_rate: float
+    saturated_rate: float | None
+    probes: tuple[Probe, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-native (lists, not tuples)."""
+        return _lists(asdict(self))
+
+
+def _lists(obj: Any) -> Any:
+    """``obj`` with every tuple turned into a list, recursively (what a JSON round trip gives)."""
+    if isinstance(obj, tuple | list):
+        return [_lists(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _lists(v) for k, v in obj.items()}
+    return obj
+
+
+def is_saturated(summary: Summary, light_ttft_ms: float, threshold: float) -> bool:
+    """Unfinished requests, no finished one, or mean TTFT above ``threshold`` × the light value."""
+    ttft = summary["ttft_ms"]["mean"]
+    return summary["unfinished"] > 0 or math.isnan(ttft) or ttft > threshold * light_ttft_ms
+
+
+class SaturationSearch:
+    """The search as a state machine, so that several searches can share one worker pool: ask
+    ``next_rate()`` (None when done), measure it, ``record(rate, summary)``; finally ``result()``."""
+
+    def __init__(self, rule: SaturationRule) -> None:
+        rule.check()
+        self.rule = rule
+        self.probes: list[Probe] = []
+        self._light_ttft: float | None = None
+        self._lo: float | None = None  # highest unsaturated rate so far
+        self._hi: float | None = None  # lowest saturated rate so far
+        self._ramps = 0
+        self._refines = 0
+
+    def next_rate(self) -> float | None:
+        """The next rate to measure, or None when the search is over."""
+        rule = self.rule
+        if self._light_ttft is None:
+            return None if self.probes else rule.light_rate
+        assert self._lo is not None
+        if self._hi is None:
+            return self._lo * rule.factor if self._ramps < rule.max_ramp else None
+        if self._refines < rule.refine:
+            return math.sqrt(self._lo * self._hi)
+        return None
+
+    def record(self, rate: float, summary: Summary) -> None:
+        """Record the summary of a run at ``rate`` (the rate ``next_rate`` returned)."""
+        rule = self.rule
+        ttft = float(summary["ttft_ms"]["mean"])
+        if self._light_ttft is None:
+            if summary["unfinished"] > 0 or math.isnan(ttft) or ttft <= 0:
+                raise UserError(
+                    f"rate scale {rate:g} is not a light load (mean TTFT {ttft:.1f} ms, "
+                    f"{summary['unfinished']} unfinished); lower the light rate"
+                )
+            self._light_ttft = ttft
+            saturated = False
+        else:
+            saturated = is_saturated(summary, self._light_ttft, rule.threshold)
+            if self._hi is None:
+                self._ramps += 1
+            else:
+                self._refines += 1
+        self.probes.append(
+            Probe(rate, ttft, int(summary["unfinished"]), saturated, float(summary.get("wall_seconds", 0.0)))
+        )
+        if saturated:
+            self._hi = rate if self._hi is None else min(self._hi, rate)
+        else:
+            self._lo = rate if self._lo is None else max(self._lo, rate)
+
+    @property
+    def done(self) -> bool:
+        return self.next_rate() is None
+
+    def result(self) -> Saturation:
+        """The outcome; only once ``done``."""
+        if not self.done or self._light_ttft is None or self._lo is None:
+            raise RuntimeError("the saturation search is not finished")
+        return Saturation(self._light_ttft, self._lo, self._hi, tuple(self.probes))
+
+
+def find_saturation(rule: SaturationRule, measure: Callable[[float], Summary]) -> Saturation:
+    """Run one search with ``measure(rate) -> summary`` (the reference policy's run at that rate)."""
+    search = SaturationSearch(rule)
+    while (rate := search.next_rate()) is not None:
+        search.record(rate, measure(rate))
+    return search.result()
+
+
+# ----------------------------------------------------------------------------------------- paper preset
+
+
+@dataclass(frozen=True, slots=True)
+class PaperWorkload:
+    """One workload of the preset: a synthetic ``workload`` name or a ``trace`` file; ``light_rate``
+    starts its saturation search; ``duration``: seconds of (scaled) arrivals per run."""
+
+    name: str
+    duration: float
+    light_rate: float
+    workload: str | None = None
+    trace: str | None = None
+
+    def spec(self, plan: PaperPlan, policy: str, rate: float, **changes: Any) -> RunSpec:
+        return RunSpec(
+            policy=policy,
+            instances=plan.instances,
+            trace=self.trace,
+            workload=self.workload,
+            rate_scale=rate,
+            duration=self.duration,
+            seed=plan.seed,
+            **changes,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PaperPlan:
+    """The preset: workloads, policies, the λ grid of ``linear``, rates as fractions of each workload's
+    max rate (``default_fraction`` of it is the default load), and the staleness study (one workload at
+    its default load; scrape intervals at the default event delay, then event delays at the default
+    scrape interval)."""
+
+    workloads: tuple[PaperWorkload, ...]
+    instances: int = 16
+    seed: int = 0
+    policies: tuple[str, ...] = ("vllm", "llm-d", "lmetric", "sglang", "dynamo")
+    lambdas: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
+    reference: str = "vllm"
+    rate_fractions: tuple[float, ...] = (0.125, 0.25, 0.5, 1.0)
+    default_fraction: float = 0.5
+    threshold: float = 10.0
+    factor: float = 2.0
+    refine: int = 2
+    staleness_workload: str | None = "chatbot"
+    scrape_intervals: tuple[float, ...] = (0.0, 0.05, 0.2, 1.0)
+    event_delays: tuple[float, ...] = (0.002, 0.1, 1.0)
+
+    def rule(self, w: PaperWorkload) -> SaturationRule:
+        return SaturationRule(w.light_rate, self.threshold, self.factor, self.refine)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-native (lists, not tuples)."""
+        return _lists(asdict(self))
+
+
+def paper_plan(mooncake_trace: str | None, duration: float | None = None) -> PaperPlan:
+    """The paper preset on this machine: the four synthetic workloads (300 s of arrivals each, the
+    paper replays 1200 s) and, when its file is given, the Mooncake conversation trace (1200 s, the
+    paper's length: it is cheap). ``duration`` overrides every workload's."""
+    workloads = [
+        PaperWorkload("chatbot", 300.0, 0.5, workload="chatbot"),
+        PaperWorkload("coder", 300.0, 0.5, workload="coder"),
+        PaperWorkload("api", 300.0, 0.5, workload="api"),
+        PaperWorkload("agent", 300.0, 0.5, workload="agent"),
+    ]
+    if mooncake_trace is not None:
+        workloads.append(PaperWorkload("mooncake", 1200.0, 0.25, trace=mooncake_trace))
+    if duration is not None:
+        workloads = [replace(w, duration=duration) for w in workloads]
+    return PaperPlan(tuple(workloads))
+
+
+def linear_name(lam: float) -> str:
+    return f"linear:{lam:g}"
+
+
+def best_lambda(runs: Iterable[Summary], lambdas: Sequence[float]) -> float:
+    """The λ whose ``linear:<λ>`` run has the lowest mean TTFT (NaN counts as worst; ties → smaller λ)."""
+    by_name = {r["policy"]: r for r in runs}
+
+    def key(lam: float) -> tuple[float, float]:
+        ttft = by_name[linear_name(lam)]["ttft_ms"]["mean"]
+        return (math.inf if math.isnan(ttft) else ttft, lam)
+
+    return min(lambdas, key=key)
+
+
+@dataclass(slots=True)
+class _Memo:
+    """Summaries by spec within one preset run (a spec run twice gives the same summary)."""
+
+    runner: BatchRunner
+    known: dict[RunSpec, Summary] = field(default_factory=dict)
+
+    def run(self, specs: Sequence[RunSpec]) -> list[Summary]:
+        todo = []
+        for s in specs:
+            if s not in self.known and replace(s, keep_samples=True) not in self.known and s not in todo:
+                todo.append(s)
+        for s, out in zip(todo, self.runner(todo), strict=True):
+            self.known[s] = out
+        return [self.known.get(s) or self.known[replace(s, keep_samples=True)] for s in specs]
+
+
+def _by_cost(specs: list[RunSpec], probes: dict[str | None, tuple[Probe, ...]]) -> list[RunSpec]:
+    """Specs sorted by estimated wall time, longest first (so the pool's tail is short): the wall time
+    of the workload's nearest saturation probe, scaled by the rate ratio."""
+
+    def estimate(s: RunSpec) -> float:
+        ps = probes.get(s.trace or s.workload, ())
+        if not ps:
+            return s.rate_scale
+        p = min(ps, key=lambda p: abs(math.log(p.rate / s.rate_scale)))
+        return p.wall_seconds * s.rate_scale / p.rate
+
+    return sorted(specs, key=estimate, reverse=True)
+
+
+def run_paper(
+    plan: PaperPlan, runner: BatchRunner, note: Callable[[str], None] = lambda _: None
+) -> dict[str, Any]:
+    """Run the preset with ``runner`` (a batch of specs → summaries); returns a JSON-able dict:
+    ``{"plan", "workloads": [{"name", "duration", "saturation", "rates", "default_rate",
+    "best_lambda", "runs"}], "staleness": {"workload", "rate", "runs"} | None, "simulations",
+    "cpu_seconds"}`` (distinct runs and their total CPU time). ``runs`` holds every
+    fixed policy at every rate, every ``linear:<λ>`` at the default rate and the best λ at every rate."""
+    memo = _Memo(runner)
+    # 1. Saturation searches, all workloads in lockstep (one batch per round).
+    searches = {w.name: SaturationSearch(plan.rule(w)) for w in plan.workloads}
+    while True:
+        asks = [(w, r) for w in plan.workloads if (r := searches[w.name].next_rate()) is not None]
+        if not asks:
+            break
+        outs = memo.run([w.spec(plan, plan.reference, r) for w, r in asks])
+        for (w, r), out in zip(asks, outs, strict=True):
+            searches[w.name].record(r, out)
+    sats = {name: s.result() for name, s in searches.items()}
+    probes = {w.trace or w.workload: sats[w.name].probes for w in plan.workloads}
+    for w in plan.workloads:
+        sat = sats[w.name]
+        note(
+            f"{w.name}: max rate ×{sat.max_rate:.3g} (saturated at "
+            f"{'none probed' if sat.saturated_rate is None else f'×{sat.saturated_rate:.3g}'}), "
+            f"light mean TTFT {sat.light_ttft_ms:.0f} ms"
+        )
+    rates = {w.name: [sats[w.name].max_rate * f for f in plan.rate_fractions] for w in plan.workloads}
+    default = {w.name: sats[w.name].max_rate * plan.default_fraction for w in plan.workloads}
+
+    # 2. Fixed policies at every rate, the λ grid at the default rate.
+    def grid(w: PaperWorkload, policies: Sequence[str], rs: Sequence[float]) -> list[RunSpec]:
+        return [w.spec(plan, p, r, keep_samples=r == default[w.name]) for p in policies for r in rs]
+
+    lambdas = [linear_name(lam) for lam in plan.lambdas]
+    first = [s for w in plan.workloads for s in grid(w, plan.policies, rates[w.name])]
+    first += [s for w in plan.workloads for s in grid(w, lambdas, [default[w.name]])]
+    memo.run(_by_cost(first, probes))
+    best = {
+        w.name: best_lambda(memo.run(grid(w, lambdas, [default[w.name]])), plan.lambdas)
+        for w in plan.workloads
+    }
+    for name, lam in best.items():
+        note(f"{name}: best λ = {lam:g}")
+
+    # 3. The best λ at every rate; the staleness study.
+    second = [s for w in plan.workloads for s in grid(w, [linear_name(best[w.name])], rates[w.name])]
+    stale_w = next((w for w in plan.workloads if w.name == plan.staleness_workload), None)
+    stale_specs: list[RunSpec] = []
+    if stale_w is not None:
+        r = default[stale_w.name]
+        base = stale_w.spec(plan, plan.reference, r)
+        pols = [*plan.policies, linear_name(best[stale_w.name])]
+        stale_specs = expand_grid(base, pols, [r], scrape_intervals=plan.scrape_intervals)
+        stale_specs += expand_grid(base, pols, [r], event_delays=plan.event_delays)
+        stale_specs = list(dict.fromkeys(stale_specs))
+    memo.run(_by_cost(second + stale_specs, probes))
+
+    workloads = []
+    for w in plan.workloads:
+        specs = grid(w, plan.policies, rates[w.name]) + grid(w, lambdas, [default[w.name]])
+        specs += [s for s in grid(w, [linear_name(best[w.name])], rates[w.name]) if s not in specs]
+        workloads.append(
+            {
+                "name": w.name,
+                "workload": w.workload,
+                "trace": w.trace,
+                "duration": w.duration,
+                "saturation": sats[w.name].to_dict(),
+                "rates": rates[w.name],
+                "default_rate": default[w.name],
+                "best_lambda": best[w.name],
+                "runs": memo.run(specs),
+            }
+        )
+    staleness = None
+    if stale_w is not None:
+        staleness = {"workload": stale_w.name, "rate": default[stale_w.name], "runs": memo.run(stale_specs)}
+    return {
+        "plan": plan.to_dict(),
+        "workloads": workloads,
+        "staleness": staleness,
+        "simulations": len(memo.known),
+        "cpu_seconds": sum(float(out.get("cpu_seconds", 0.0)) for out in memo.known.values()),
+    }

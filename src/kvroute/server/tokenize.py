@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvroute.tokenizer import Tokenizer, message_text
@@ -65,8 +65,8 @@ class RequestTokenizer:
         self.hits = 0
         self.misses = 0
 
-    def _message(self, role: str, content: str) -> tuple[int, ...]:
-        key = (role, content)
+    def _cached(self, key: tuple[str, str], encode: Callable[[], Sequence[int]]) -> tuple[int, ...]:
+        """The cached ids under ``key``, or ``encode()`` remembered there (LRU, ``cache_entries``)."""
         cache = self._cache
         with self._lock:
             ids = cache.get(key)
@@ -75,13 +75,16 @@ class RequestTokenizer:
                 self.hits += 1
                 return ids
             self.misses += 1
-        ids = tuple(self.tokenizer.message_tokens(role, content))
+        ids = tuple(encode())  # outside the lock: the tokenizer is the slow part
         if self._max:
             with self._lock:
                 cache[key] = ids
                 if len(cache) > self._max:
                     cache.popitem(last=False)
         return ids
+
+    def _message(self, role: str, content: str) -> tuple[int, ...]:
+        return self._cached((role, content), lambda: self.tokenizer.message_tokens(role, content))
 
     def chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the ChatML rendering of ``messages`` (validated mappings with a string role).
@@ -111,18 +114,5 @@ class RequestTokenizer:
         return ids
 
     def _segment(self, text: str) -> tuple[int, ...]:
-        key = ("", text)  # role "" never collides with a chat message key (roles are non-empty)
-        cache = self._cache
-        with self._lock:
-            ids = cache.get(key)
-            if ids is not None:
-                cache.move_to_end(key)
-                self.hits += 1
-                return ids
-            self.misses += 1
-        ids = tuple(self.tokenizer.encode(text))
-        with self._lock:
-            cache[key] = ids
-            if len(cache) > self._max:
-                cache.popitem(last=False)
-        return ids
+        # role "" never collides with a chat message key (roles are non-empty)
+        return self._cached(("", text), lambda: self.tokenizer.encode(text))

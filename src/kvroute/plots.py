@@ -27,11 +27,12 @@ def _figure(ncols: int, nrows: int = 1) -> Any:
 
 def _plain_ticks(ax: Any) -> None:
     """Plain numbers (0.5, 2, 100) on log axes instead of powers."""
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, LogFormatter
 
-    fmt = FuncFormatter(lambda v, _: f"{v:g}")
-    ax.xaxis.set_major_formatter(fmt)
-    ax.yaxis.set_major_formatter(fmt)
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        # minor labels (20, 30, 50) only when the axis spans little more than a decade
+        axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1.2, 0.6)))
 
 
 def _save(fig: Any, path: Path) -> None:

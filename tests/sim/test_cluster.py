@@ -150,3 +150,19 @@ def test_mooncake_first_ten_minutes_all_accounted() -> None:
     out = run_spec(RunSpec(policy="lmetric", trace=str(MOONCAKE), duration=600))
     assert out["requests"] > 1500 and out["unfinished"] == 0 and out["rejected"] == 0
     assert 0.0 < out["kv_hit_rate"] < 1.0
+
+
+def test_reproduce_command_carries_every_non_default_setting() -> None:
+    spec = RunSpec(
+        workload="coder", max_num_seqs=64, max_num_batched_tokens=2048, tp=2, seed=5, kv_view="approx"
+    )
+    cmd = spec.command_line()
+    for flag in (
+        "--max-num-seqs 64",
+        "--max-num-batched-tokens 2048",
+        "--tp 2",
+        "--seed 5",
+        "--kv-view approx",
+    ):
+        assert flag in cmd
+    assert "--max-num-seqs" not in RunSpec(workload="coder").command_line()

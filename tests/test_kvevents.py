@@ -180,6 +180,10 @@ def test_batch_as_map():
         [1.0, [["BlockStored", [1], None, [1], 0]], 0],
         [1.0, [["BlockStored", [1.5], None, [1], 16]], 0],
         [1.0, [["BlockStored", [1], None, ["a"], 16]], 0],
+        [1.0, [["BlockStored", [1], None, [3] * 15 + [True], 16]], 0],
+        [1.0, [["BlockStored", [1], None, [3] * 15 + [2.0], 16]], 0],
+        [1.0, [["BlockStored", [1, False], None, [3] * 32, 16]], 0],
+        [1.0, [["BlockRemoved", [7, "x"]]], 0],
         [1.0, [["BlockStored", "hashes", None, [1], 16]], 0],
         [1.0, [{"type": "BlockRemoved"}], 0],
         [1.0, [{"block_hashes": []}], 0],
@@ -189,6 +193,15 @@ def test_batch_as_map():
 def test_malformed_payloads_raise_decode_error(obj):
     with pytest.raises(KVEventDecodeError):
         decode_batch(msgspec.msgpack.encode(obj))
+
+
+def test_mixed_int_and_bytes_hashes_decode():
+    raw = [1.0, [["BlockStored", [5, b"\x01\x00"], 9, list(range(32)), 16], ["BlockRemoved", [b"\x02", 3]]]]
+    _, events, _ = decode_batch(msgspec.msgpack.encode(raw))
+    assert events == [
+        BlockStored(block_hashes=(5, 256), parent_block_hash=9, token_ids=tuple(range(32)), block_size=16),
+        BlockRemoved(block_hashes=(2, 3)),
+    ]
 
 
 def test_invalid_msgpack_raises_decode_error():

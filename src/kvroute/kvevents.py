@@ -149,6 +149,7 @@ def decode_seq(frame: bytes) -> int:
 
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size")
 _REMOVED_FIELDS = ("block_hashes",)
+_INT_ONLY = frozenset({int})
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[KVEvent], int | None]:
@@ -232,10 +233,17 @@ def _hash(value: Any, index: int) -> int:
 def _hashes(value: Any, index: int) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise KVEventDecodeError(f"event {index}: block_hashes must be an array")
+    if set(map(type, value)) <= _INT_ONLY:  # fast path: int hashes need no conversion
+        return tuple(value)
     return tuple(_hash(v, index) for v in value)
 
 
 def _ints(value: Any, name: str, index: int) -> tuple[int, ...]:
-    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+    if not isinstance(value, list):
+        raise KVEventDecodeError(f"event {index}: {name} must be an array of ints")
+    # Fast path (C loops, no per-element Python frame): msgpack decodes token ids to exact ints.
+    if set(map(type, value)) <= _INT_ONLY:
+        return tuple(value)
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in value):
         raise KVEventDecodeError(f"event {index}: {name} must be an array of ints")
     return tuple(value)

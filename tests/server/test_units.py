@@ -83,6 +83,23 @@ def test_parse_vllm_metrics() -> None:
     assert parse_vllm_metrics(b"other_metric 1\n", at=0.0) is None
 
 
+def test_parse_vllm_metrics_line_boundaries() -> None:
+    """Only whole lines (cut at \\n, \\r or \\r\\n, as bytes.splitlines does) that start with a
+    known name count; a longer gauge name of the same stem does not."""
+    text = (
+        b"vllm:num_requests_running 2\r\n"
+        b"x vllm:num_requests_running 50\n"
+        b"vllm:num_requests_runningX 70\n"
+        b'vllm:num_requests_waiting{a="1"} 1\rvllm:num_requests_waiting 4\n'
+        b"vllm:gpu_cache_usage_perc 0.5\n"
+        b"vllm:kv_cache_usage_perc_extra 0.75\n"
+        b"# vllm:num_requests_waiting 99\n"
+        b"vllm:num_requests_running 1"
+    )
+    m = parse_vllm_metrics(text, at=1.0)
+    assert m == ScrapedMetrics(running=3, waiting=5, kv_usage=0.75, at=1.0, num_kv_blocks=0)
+
+
 def test_merge_takes_larger_total_without_double_counting() -> None:
     b = BackendState(0, "http://a:1")
     Lease(b, 100)

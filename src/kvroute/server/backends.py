@@ -24,6 +24,7 @@ export it); ``kv_usage`` is the engine's. Scraped values older than ``scrape_sta
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kvroute.views import InstanceView
@@ -34,6 +35,15 @@ _RUNNING = b"vllm:num_requests_running"
 _WAITING = b"vllm:num_requests_waiting"
 _KV_USAGE = (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc")
 _CACHE_CONFIG = b"vllm:cache_config_info"
+# Candidates for the lines parse_vllm_metrics reads: one of the names above up to the end of its line.
+# One regex scan in C (its literal prefix makes it a fast search) replaces a Python loop over every
+# line (a vLLM page has hundreds, mostly histograms, and is scraped every 50 ms per backend); a match
+# counts only at the start of a line as bytes.splitlines cuts them (after \n, \r or \r\n).
+_CANDIDATE = re.compile(
+    rb"vllm:(?:num_requests_running|num_requests_waiting|kv_cache_usage_perc"
+    rb"|gpu_cache_usage_perc|cache_config_info)[^\r\n]*"
+)
+_EOL = b"\r\n"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +80,11 @@ def parse_vllm_metrics(text: bytes, at: float) -> ScrapedMetrics | None:
     usage = 0.0
     seen = False
     blocks = 0
-    for line in text.splitlines():
-        if not line.startswith(b"vllm:"):
-            continue
+    for match in _CANDIDATE.finditer(text):
+        start = match.start()
+        if start and text[start - 1] not in _EOL:
+            continue  # inside a line (e.g. "# HELP vllm:...")
+        line = match.group()
         if line.startswith(_RUNNING) and line[len(_RUNNING) : len(_RUNNING) + 1] in (b"{", b" "):
             v = _sample_value(line)
             if v is not None:

@@ -26,7 +26,9 @@ from pathlib import Path
 from benchmarks.common import ROOT, SHARED, table, write
 from kvroute.sim.runner import RunSpec, run_spec
 
-DEFAULT_LOAD_SCALE = 4.0  # half of chatbot's measured max rate (x8) on 16 instances: docs/results/paper-table.md
+DEFAULT_LOAD_SCALE = (
+    4.0  # half of chatbot's measured max rate (x8) on 16 instances: docs/results/paper-table.md
+)
 API_BASE_RATE = 40.0  # requests/s of the api workload at rate scale 1
 
 

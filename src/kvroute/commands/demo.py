@@ -28,7 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=int, default=4, help="emulated engines (default 4)")
     p.add_argument("--duration", type=float, default=60.0, help="model seconds of arrivals (default 60)")
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the workload's rate (default 1)")
-    p.add_argument("--time-scale", type=float, default=1.0, help="engines run this much faster (default 1: real time)")
+    p.add_argument(
+        "--time-scale", type=float, default=1.0, help="engines run this much faster (default 1: real time)"
+    )
     p.add_argument(
         "--policies", default=",".join(POLICIES), help="comma-separated (default lmetric,round-robin)"
     )

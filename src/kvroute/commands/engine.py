@@ -10,6 +10,7 @@ import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from kvroute.commands import port_number
 from kvroute.errors import UserError
 
 if TYPE_CHECKING:
@@ -22,7 +23,7 @@ HELP = "run an emulated vLLM-compatible engine (same engine model as the simulat
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--port", type=port_number, default=8000, help="HTTP port (default 8000)")
     p.add_argument(
         "--model",
         "--served-model-name",

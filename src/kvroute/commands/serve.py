@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 from typing import Any
 
+from kvroute.commands import port_number
 from kvroute.errors import UserError
 from kvroute.policies.registry import make_policy, policy_names
 from kvroute.server.config import BackendSpec, RouterConfig, load_config_file, parse_backend_url
@@ -55,7 +56,7 @@ def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> N
         p.add_argument("--config", metavar="FILE", help="YAML config (see kvroute.server.config)")
     p.add_argument("--policy", help=f"routing policy (default lmetric): {', '.join(policy_names())}")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port to listen on (default 8080)")
+    p.add_argument("--port", type=port_number, help="port to listen on (default 8080)")
     p.add_argument("--tokenizer", help="tokenizer.json or folder (default: bundled Qwen3)")
     p.add_argument("--block-size", type=int, help="KV block size in tokens (default 16)")
     p.add_argument("--max-body-bytes", type=int, help="largest request body (default 32 MiB)")

@@ -188,6 +188,10 @@ def config_from_mapping(data: Mapping[str, Any], where: str = "config") -> Route
                 value = float(value)
             if not isinstance(value, want) or isinstance(value, bool) != isinstance(default, bool):
                 raise UserError(f"{where}: {key} must be a {want.__name__}, got {value!r}")
+            if want in (int, float) and not isinstance(value, bool) and not 0 <= value < float("inf"):
+                raise UserError(f"{where}: {key} must be a finite number >= 0, got {value!r}")
+            if key == "port" and value > 65535:
+                raise UserError(f"{where}: port must be in 0..65535, got {value}")
         kwargs[key] = value
     kwargs.setdefault("backends", ())
     return RouterConfig(**kwargs)

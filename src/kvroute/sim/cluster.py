@@ -16,6 +16,7 @@ Requests reach the chosen engine at once; engines are woken at their ``next_time
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -84,8 +85,8 @@ class SimConfig:
             raise UserError("max-num-seqs and max-num-batched-tokens must be positive")
         if self.kv_view not in KV_VIEWS:
             raise UserError(f"unknown KV view {self.kv_view!r}; valid: {', '.join(KV_VIEWS)}")
-        if self.scrape_interval < 0 or self.event_delay < 0:
-            raise UserError("scrape interval and event delay must be >= 0")
+        if not (0 <= self.scrape_interval < math.inf and 0 <= self.event_delay < math.inf):
+            raise UserError("scrape interval and event delay must be finite and >= 0")
         if any(t < 0 or n < 1 for t, n in self.scale_out) or not 0 <= self.spot_instances <= self.instances:
             raise UserError("--scale-out needs T >= 0 and N >= 1; --spot-instances must be in [0, instances]")
 

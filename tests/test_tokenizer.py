@@ -141,3 +141,11 @@ def test_fallback_without_chatml_special_tokens(tmp_path: Path):
     assert not t.per_message_exact
     conv = [{"role": "user", "content": "hi"}]
     assert t.encode_chat(conv) == t.encode(t.render_chat(conv))
+
+
+def test_encode_many_equals_encode_one_by_one() -> None:
+    from kvroute.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    texts = ["hello world", " and then", "", "日本語のテキスト", "x" * 300]
+    assert tok.encode_many(texts) == [tok.encode(t) for t in texts]

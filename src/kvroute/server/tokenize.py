@@ -106,13 +106,32 @@ class RequestTokenizer:
             return prompt
         if len(prompt) < 2 * SEGMENT_CHARS or not self._max:
             return self.tokenizer.encode(prompt)
-        ids: list[int] = []
+        segments = []
         start = 0
         for end in split_points(prompt):
-            ids.extend(self._segment(prompt[start:end]))
+            segments.append(prompt[start:end])
             start = end
-        return ids
-
-    def _segment(self, text: str) -> tuple[int, ...]:
         # role "" never collides with a chat message key (roles are non-empty)
-        return self._cached(("", text), lambda: self.tokenizer.encode(text))
+        found: list[tuple[int, ...] | None] = []
+        cache = self._cache
+        with self._lock:
+            for text in segments:
+                hit = cache.get(("", text))
+                if hit is not None:
+                    cache.move_to_end(("", text))
+                found.append(hit)
+        missing = [i for i, hit in enumerate(found) if hit is None]
+        self.hits += len(segments) - len(missing)
+        self.misses += len(missing)
+        if missing:  # one batch call: the tokenizer encodes the segments in parallel, without offsets
+            encoded = self.tokenizer.encode_many([segments[i] for i in missing])
+            with self._lock:
+                for i, seg_ids in zip(missing, encoded, strict=True):
+                    found[i] = cache[("", segments[i])] = tuple(seg_ids)
+                while len(cache) > self._max:
+                    cache.popitem(last=False)
+        ids: list[int] = []
+        for part in found:
+            assert part is not None
+            ids.extend(part)
+        return ids

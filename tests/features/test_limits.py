@@ -87,10 +87,10 @@ def test_token_bucket_prunes_full_buckets() -> None:
 
 def test_guarded_admit_counts_rejections() -> None:
     g = Guarded(make_policy("lmetric"), FeatureConfig(quota=QuotaConfig(10.0, 100.0)))
-    assert g.admit("u", 100, 0.0) == 0.0
-    assert g.admit("u", 50, 0.0) == pytest.approx(5.0)
+    assert g.quota_wait("u", 100, 0.0) == 0.0
+    assert g.quota_wait("u", 50, 0.0) == pytest.approx(5.0)
     assert g.counts["quota_rejected"] == 1
-    assert Guarded(make_policy("lmetric"), FeatureConfig()).admit("u", 1e9, 0.0) == 0.0
+    assert Guarded(make_policy("lmetric"), FeatureConfig()).quota_wait("u", 1e9, 0.0) == 0.0
 
 
 def test_bad_limits() -> None:

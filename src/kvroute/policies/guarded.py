@@ -165,7 +165,7 @@ class Guarded:
         self.counts["preloads"] += len(out)
         return out
 
-    def admit(self, key: str | None, cost: float, now: float) -> float:
+    def quota_wait(self, key: str | None, cost: float, now: float) -> float:
         """Quota check for a request costing ``cost`` tokens from ``key`` (user or API key): 0.0 if
         admitted, else seconds until it would be. Always 0.0 without quotas."""
         if self.quota is None:

@@ -184,7 +184,7 @@ class RouterCore:
             auth = headers.get("Authorization") or headers.get("authorization") or ""
             api_key = auth[7:].strip() if auth[:7].lower() == "bearer " else None
             who = (api_key or req.user) if feats.quota.key == "api_key" else (req.user or api_key)
-            wait = guard.admit(who, len(ids) + req.max_tokens, now)
+            wait = guard.quota_wait(who, len(ids) + req.max_tokens, now)
             if wait:
                 raise QuotaExceeded(
                     f"token quota exceeded for {'this API key' if who == api_key and who else 'this user'}; "

@@ -288,7 +288,7 @@ class ClusterSim:
         guard = self.guard
         key = 0
         if guard is not None:
-            if guard.admit(req.user, prompt + req.output_len, now):
+            if guard.quota_wait(req.user, prompt + req.output_len, now):
                 self.quota_rejected += 1
                 return
             key = guard.note(req.block_ids, bs, now)

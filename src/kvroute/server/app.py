@@ -22,11 +22,12 @@ from kvroute.policies.registry import make_policy
 from kvroute.server.config import RouterConfig
 from kvroute.server.events import EventSubscriber
 from kvroute.server.exporter import RouterCollector, render_metrics
+from kvroute.server.h1 import H1Transport
 from kvroute.server.monitor import Monitor
 from kvroute.server.proxy import Proxy, error_response
 from kvroute.server.router import RouterCore
 from kvroute.server.tokenize import RequestTokenizer
-from kvroute.server.transport import AiohttpTransport, Transport, UpstreamError
+from kvroute.server.transport import Transport, UpstreamError
 from kvroute.server.validate import ApiError
 from kvroute.tokenizer import Tokenizer, load_tokenizer
 
@@ -37,7 +38,7 @@ log = logging.getLogger("kvroute.server")
 
 class RouterServer:
     """One router: config → app, loops, subscribers. ``transport``/``tokenizer`` may be injected
-    (tests); by default the aiohttp transport and the configured tokenizer are used."""
+    (tests); by default :class:`~kvroute.server.h1.H1Transport` and the configured tokenizer are used."""
 
     def __init__(
         self,
@@ -49,7 +50,7 @@ class RouterServer:
     ) -> None:
         config.validate()
         self.config = config
-        self.transport: Transport = transport or AiohttpTransport(
+        self.transport: Transport = transport or H1Transport(
             connect_timeout_s=config.connect_timeout_s, read_timeout_s=config.upstream_timeout_s
         )
         tok = tokenizer or load_tokenizer(config.tokenizer)

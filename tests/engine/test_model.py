@@ -228,3 +228,107 @@ def test_decode_memo_is_close_to_the_model_and_segments_are_consistent() -> None
         assert all(memo.step_time((), n, kv + j * n) == d for j in range(m))
         assert (kv + m * n) // n // 16 != kv // n // 16
     assert memo.step_time(((100, 0),), 2, 10) == inner.step_time(((100, 0),), 2, 10)
+
+
+def _drive_with_aborts(
+    engine: EngineModel, events: list[tuple[float, int, EngineRequest | int]]
+) -> tuple[list[EngineOutput], bool]:
+    """Like ``drive``; an event ``(t, 0, request)`` adds, ``(t, 1, req_id)`` aborts. Checks the
+    model's invariants after every call; also says whether the cohort ever had members."""
+    outs: list[EngineOutput] = []
+    pending = sorted(events, key=lambda e: (e[0], e[1]))
+    i = 0
+    used_cohort = False
+    while i < len(pending) or not engine.idle:
+        nt = engine.next_time()
+        if i < len(pending) and (nt is None or pending[i][0] <= nt):
+            t, kind, what = pending[i]
+            outs += engine.advance(t)
+            if kind == 0:
+                assert isinstance(what, EngineRequest)
+                engine.add_request(what, t)
+            else:
+                assert isinstance(what, int)
+                engine.abort(what, t)
+            i += 1
+        else:
+            assert nt is not None
+            outs += engine.advance(nt)
+        engine.check()
+        cohort = engine._cohort
+        used_cohort = used_cohort or (cohort is not None and cohort.n > 0)
+    return outs, used_cohort
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 100_000),
+    blocks=st.sampled_from([40, 90, 300, 5000]),
+    seqs=st.sampled_from([4, 8, 32]),
+    budget=st.sampled_from([6, 64, 512]),
+    bs=st.sampled_from([4, 16]),
+    aborts=st.booleans(),
+)
+def test_decode_cohort_gives_exactly_the_per_request_result(
+    seed: int, blocks: int, seqs: int, budget: int, bs: int, aborts: bool
+) -> None:
+    """The cohort (``report_tokens=False``) against the per-request path (``report_tokens=True``):
+    the same outputs, KV events (grouping included) and stats, through evictions, preemptions,
+    decoders starved of budget (budget < batch), chunked prefill and aborts mid-stretch."""
+    rng = random.Random(seed)
+    prefixes = [tuple(range(p * 1000 + 1, p * 1000 + 200)) for p in range(3)]
+    events: list[tuple[float, int, EngineRequest | int]] = []
+    t = 0.0
+    for i in range(30):
+        t += rng.expovariate(15.0)
+        prompt = rng.randint(5, 700)
+        req = make_req(i, prompt, rng.randint(1, 250), rng.choice(prefixes), bs=bs)
+        if -(-(prompt + req.output_len) // bs) <= blocks:
+            events.append((t, 0, req))
+        if aborts and rng.random() < 0.3:
+            events.append((t + rng.expovariate(2.0), 1, rng.randrange(i + 1)))
+    cfg = EngineConfig(num_kv_blocks=blocks, max_num_seqs=seqs, max_num_batched_tokens=budget, block_size=bs)
+    cost = DecodeMemo(AffineCost(), kv_quantum=8)
+    fast = EngineModel(cfg, cost)
+    slow = EngineModel(replace(cfg, report_tokens=True), cost)
+    a, used = _drive_with_aborts(fast, events)
+    b, _ = _drive_with_aborts(slow, events)
+
+    # An abort during a stretch reports the output tokens counted at the stretch's start (as before
+    # the cohort existed); stepping counts every step. Everything else must match exactly.
+    def key(o: EngineOutput) -> EngineOutput:
+        return replace(o, num_output_tokens=-1) if o.kind is OutputKind.ABORTED else o
+
+    assert [key(o) for o in a] == [key(o) for o in b if o.kind is not OutputKind.TOKEN]
+    assert fast.take_events() == slow.take_events()
+    assert fast.stats() == slow.stats()
+    assert used or not a  # the cohort was exercised
+
+
+def test_cohort_counts_block_boundaries_like_per_request_arithmetic() -> None:
+    """``_Cohort.needing_block`` and ``blocks_for`` against counting each member's boundaries."""
+    from kvroute.engine.model import _Cohort, _Seq
+
+    rng = random.Random(7)
+    bs = 16
+    cohort = _Cohort(bs)
+    members: list[_Seq] = []
+    for i in range(40):
+        seq = _Seq(EngineRequest(i, 100, 10_000))
+        seq.computed = rng.randint(1, 500)
+        seq.out = 1
+        seq.known = seq.computed + 1
+        seq.nblocks = -(-seq.computed // bs)
+        seq.adm = i
+        cohort.join(seq)
+        members.append(seq)
+        cohort.advance(rng.randint(0, 5))
+    for _ in range(50):
+        now = {s: s.computed + cohort.d - s.d0 for s in members}
+        assert set(cohort.needing_block()) == {s for s, c in now.items() if c % bs == 0}
+        for steps in (1, 2, 3, 17, 40, 333):
+            # blocks for tokens c+2..c+steps beyond ceil((c+1)/bs), the first step's allocation
+            brute = sum(-(-(c + steps) // bs) - -(-(c + 1) // bs) for c in now.values())
+            assert cohort.blocks_for(steps) == brute
+        assert cohort.kv == sum(now.values())
+        cohort.advance(rng.randint(1, 20))

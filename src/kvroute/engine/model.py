@@ -19,12 +19,23 @@ finishing before the last step) is planned as one *stretch*: its step durations 
 go and its outputs appear at its end. A request arriving (or aborted) mid-stretch cuts the stretch
 at the first step boundary at or after that time, so the result is the same as stepping one step
 at a time (tested). ``stats()`` during a stretch reports block usage as of the stretch's start.
+
+Also with ``report_tokens=False``, the running requests that are decoding form a *cohort* that is
+updated in O(1) per step instead of one request at a time (``_Cohort``): every running decoder gets
+exactly one token per step, so their token counts are kept relative to a shared decode-step counter,
+their next block boundaries are counted per residue of that counter, and their finishing steps sit in
+a heap. A step whose schedule the cohort cannot reproduce exactly (a preemption, a decoder starved of
+token budget, a chunk cut anywhere but at the end of the batch) dissolves the cohort back into
+per-request state and runs the per-request code; the decoders join again after that step. Outputs,
+KV events and stats are the same as without the cohort (tested against ``report_tokens=True``).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass
+from operator import attrgetter
 
 from kvroute.engine.kvcache import BlockPool
 from kvroute.engine.types import (
@@ -44,7 +55,20 @@ class _Seq:
     the request's known tokens are ``prompt_len + out``; it is decoding when ``computed`` is one
     short of that, prefilling when further behind."""
 
-    __slots__ = ("cached_tokens", "computed", "held", "known", "nblocks", "out", "req", "stepping")
+    __slots__ = (
+        "adm",
+        "cached_tokens",
+        "computed",
+        "d0",
+        "held",
+        "key",
+        "known",
+        "lazy",
+        "nblocks",
+        "out",
+        "req",
+        "stepping",
+    )
 
     def __init__(self, req: EngineRequest) -> None:
         self.req = req
@@ -54,7 +78,13 @@ class _Seq:
         self.held: list[int] = []  # cached block hashes referenced (a prefix of req.block_hashes)
         self.nblocks = 0  # blocks held: len(held) + private
         self.cached_tokens = 0
-        self.stepping = False  # part of the step in progress
+        self.stepping = False  # part of the step in progress (per-request path)
+        self.adm = 0  # admission number: running order is increasing ``adm``
+        # cohort membership (see _Cohort): while ``lazy``, computed/out/known/nblocks are as of decode
+        # step ``d0`` of the cohort's counter, and ``key`` is (computed - d0) mod block size
+        self.lazy = False
+        self.d0 = 0
+        self.key = 0
 
 
 def _pending(seq: _Seq) -> int:
@@ -63,18 +93,127 @@ def _pending(seq: _Seq) -> int:
     return 0 if p == 1 and seq.out else p
 
 
+class _Cohort:
+    """The running decoders of a ``report_tokens=False`` engine, advanced in O(1) per step.
+
+    ``d`` counts the decode steps the cohort has completed. A member that joined when the counter
+    was ``seq.d0`` has ``d - seq.d0`` more tokens computed, produced and known than its fields say
+    (``leave`` writes them back). It needs a new KV block in the next step iff its computed tokens
+    are a multiple of the block size, i.e. iff its ``key`` (computed at joining minus ``d0``, modulo
+    the block size) equals ``-d`` modulo the block size; ``buckets`` groups the members by key.
+    ``n``: members; ``kv``: their summed context (tokens in KV) now; ``fin``: heap of (the value of
+    ``d`` at which a member produces its last token, its admission number, the member), with
+    entries of members that left by abort skipped lazily."""
+
+    __slots__ = ("bs", "buckets", "d", "fin", "kv", "n")
+
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.d = 0
+        self.n = 0
+        self.kv = 0
+        self.buckets: dict[int, set[_Seq]] = {}
+        self.fin: list[tuple[int, int, _Seq]] = []
+
+    def join(self, seq: _Seq) -> None:
+        """``seq`` (running, decoding, its fields up to date, ``nblocks`` covering ``computed``)
+        becomes a member."""
+        d = self.d
+        seq.lazy = True
+        seq.d0 = d
+        key = seq.key = (seq.computed - d) % self.bs
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            bucket = self.buckets[key] = set()
+        bucket.add(seq)
+        self.n += 1
+        self.kv += seq.computed
+        heapq.heappush(self.fin, (d + seq.req.output_len - seq.out, seq.adm, seq))
+
+    def leave(self, seq: _Seq, in_step: int) -> None:
+        """Write ``seq``'s counters back and remove it. ``in_step`` is 1 when a step in progress
+        includes it (its block for that step's token is already allocated), else 0."""
+        bs = self.bs
+        c0 = seq.computed
+        delta = self.d - seq.d0
+        c = c0 + delta
+        seq.computed = c
+        seq.out += delta
+        seq.known += delta
+        seq.nblocks += (c + in_step + bs - 1) // bs - (c0 + bs - 1) // bs
+        seq.lazy = False
+        bucket = self.buckets[seq.key]
+        bucket.discard(seq)
+        if not bucket:
+            del self.buckets[seq.key]
+        self.n -= 1
+        self.kv -= c
+
+    def needing_block(self) -> set[_Seq]:
+        """The members that need one new block for the next step's token."""
+        return self.buckets.get(-self.d % self.bs, _EMPTY)
+
+    def blocks_for(self, steps: int) -> int:
+        """Blocks the members need for steps 2..``steps`` of a stretch starting now (the first
+        step's blocks are allocated when it is scheduled)."""
+        bs, d = self.bs, self.d
+        last = steps - 1
+        total = 0
+        for key, bucket in self.buckets.items():
+            j0 = -(key + d) % bs or bs  # first later step whose token starts a new block
+            if j0 <= last:
+                total += len(bucket) * ((last - j0) // bs + 1)
+        return total
+
+    def remaining(self) -> int:
+        """Fewest tokens any member still has to produce (members must exist)."""
+        fin = self.fin
+        while not fin[0][2].lazy:  # left by abort
+            heapq.heappop(fin)
+        return fin[0][0] - self.d
+
+    def advance(self, steps: int) -> None:
+        """Every member computed ``steps`` more tokens."""
+        self.d += steps
+        self.kv += self.n * steps
+
+    def pop_finished(self) -> list[_Seq]:
+        """Remove and return (up to date, in admission order) the members that produced their last
+        token; called at a step boundary."""
+        fin, d = self.fin, self.d
+        done: list[_Seq] = []
+        while fin and fin[0][0] <= d:
+            seq = heapq.heappop(fin)[2]
+            if seq.lazy:
+                self.leave(seq, 0)
+                done.append(seq)
+        return done
+
+    def dissolve(self) -> None:
+        """Every member leaves (at a step boundary)."""
+        for bucket in list(self.buckets.values()):
+            for seq in list(bucket):
+                self.leave(seq, 0)
+        self.fin.clear()
+
+
+_EMPTY: set[_Seq] = set()
+
+
 @dataclass(slots=True)
 class _Step:
     """The step, or stretch of ``steps`` identical-batch decode steps, in progress.
 
     ``segs`` lists runs of equal-duration steps as ``(start, duration, count)``; the stretch ends at
     ``end``, which is the start time plus each step's duration added one at a time (exactly the
-    float sum stepping would compute)."""
+    float sum stepping would compute). ``work`` lists the requests stepped one at a time; with
+    ``cohort`` every cohort member also takes part (one token a step)."""
 
     segs: list[tuple[float, float, int]]
     end: float
     steps: int
     work: list[tuple[_Seq, int]]  # (sequence, tokens computed in the first step)
+    cohort: bool = False
 
 
 class EngineModel:
@@ -89,6 +228,9 @@ class EngineModel:
         self.pool = BlockPool(config.num_kv_blocks, config.block_size)
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
+        self._explicit: list[_Seq] = []  # running requests outside the cohort, in running order
+        self._cohort: _Cohort | None = None if config.report_tokens else _Cohort(config.block_size)
+        self._adm = 0
         self._seqs: dict[ReqId, _Seq] = {}
         self._step: _Step | None = None
         self._outputs: list[EngineOutput] = []
@@ -127,8 +269,14 @@ class EngineModel:
         if seq is None:
             return False
         self._cut_stretch(now)
-        if seq in self._running:
+        if seq.lazy:
+            assert self._cohort is not None
+            step = self._step
+            self._cohort.leave(seq, 1 if step is not None and step.cohort else 0)
             self._running.remove(seq)
+        elif seq in self._running:
+            self._running.remove(seq)
+            self._explicit.remove(seq)
         else:
             self._waiting.remove(seq)
         self._drop(seq)
@@ -180,11 +328,38 @@ class EngineModel:
     def idle(self) -> bool:
         return self._step is None and not self._waiting and not self._running
 
+    def check(self) -> None:
+        """Assert the model's invariants (for tests): the pool's, the running batch in admission
+        order, the requests outside the cohort listed in that order, the cohort's counters."""
+        self.pool.check()
+        running = self._running
+        assert [s.adm for s in running] == sorted(s.adm for s in running)
+        assert self._explicit == [s for s in running if not s.lazy]
+        cohort = self._cohort
+        members = [s for s in running if s.lazy]
+        if cohort is None:
+            assert not members
+            return
+        assert cohort.n == len(members) == sum(len(b) for b in cohort.buckets.values())
+        assert cohort.kv == sum(s.computed + cohort.d - s.d0 for s in members)
+        bs = cohort.bs
+        for s in members:
+            assert s in cohort.buckets[s.key] and s.key == (s.computed - s.d0) % bs
+            assert s.nblocks == -(-s.computed // bs)  # blocks cover the tokens computed at joining
+            assert s.out + cohort.d - s.d0 < s.req.output_len
+
     # -- scheduling ---------------------------------------------------------------------------
     def _start_step(self, now: float) -> None:
-        work, preempted = self._schedule(now)
-        if not work:
-            return  # nothing schedulable (cannot happen with a consistent pool; defensive)
+        cohort = self._cohort
+        scheduled = self._schedule_cohort() if cohort is not None else None
+        if scheduled is None:
+            if cohort is not None and cohort.n:
+                cohort.dissolve()
+                self._explicit = list(self._running)
+            work, preempted = self._schedule(now)
+            with_cohort = False
+        else:
+            work, preempted, with_cohort = scheduled, False, True
         prefill: list[tuple[int, int]] = []
         num_decode = 0
         decode_kv = 0
@@ -195,16 +370,73 @@ class EngineModel:
                 decode_kv += computed
             else:
                 prefill.append((n, computed))
+        if with_cohort:
+            assert cohort is not None
+            num_decode += cohort.n
+            decode_kv += cohort.kv
+        if not work and not num_decode:
+            return  # nothing schedulable (cannot happen with a consistent pool; defensive)
         d = self.cost.step_time(prefill, num_decode, decode_kv)
-        step = _Step([(now, d, 1)], now + d, 1, work)
-        if not prefill and not preempted and not self.config.report_tokens:
+        step = _Step([(now, d, 1)], now + d, 1, work, with_cohort)
+        if not prefill and not preempted and cohort is not None:
             self._plan_stretch(step, num_decode, decode_kv)
         self._step = step
 
+    def _schedule_cohort(self) -> list[tuple[_Seq, int]] | None:
+        """The next step's schedule with the cohort taking part: the requests outside it (and
+        admitted ones) with their tokens, blocks allocated; every member decodes one token. None
+        (and nothing changed) when this would differ from ``_schedule``: a member starved of
+        budget, a chunk cut short anywhere but at the end of the running batch, or too few blocks
+        (a preemption)."""
+        cohort = self._cohort
+        assert cohort is not None
+        pool, bs = self.pool, self.config.block_size
+        budget = self.config.max_num_batched_tokens - cohort.n
+        if budget < 0:
+            return None
+        running = self._running
+        explicit = self._explicit
+        work: list[tuple[_Seq, int]] = []
+        needs: list[int] = []
+        members = cohort.needing_block() if cohort.n else _EMPTY
+        total = len(members)
+        for seq in explicit:
+            computed = seq.computed
+            n = seq.known - computed
+            if n > budget:
+                if budget <= 0 or seq is not running[-1]:
+                    return None  # vLLM's order would cut (or skip) a request the cohort cannot
+                n = budget
+            need = (computed + n + bs - 1) // bs - seq.nblocks
+            if need > 0:
+                total += need
+            work.append((seq, n))
+            needs.append(need)
+            budget -= n
+        if total > pool.free:
+            if total > pool.available:
+                return None  # a preemption: the per-request path handles it
+            # evictions: allocate one request at a time in running order, as vLLM (one event each)
+            order = sorted(
+                [(s.adm, 1) for s in members]
+                + [(s.adm, k) for (s, _), k in zip(work, needs, strict=True) if k > 0]
+            )
+            for _, k in order:
+                pool.allocate(k)
+        elif total:
+            pool.allocate(total)
+        for (seq, _), need in zip(work, needs, strict=True):
+            if need > 0:
+                seq.nblocks += need
+            seq.stepping = True
+        self._admit(work, budget)
+        return work
+
     def _schedule(self, now: float) -> tuple[list[tuple[_Seq, int]], bool]:
-        """Pick this step's work: running first, then waiting (vLLM v1 order)."""
-        cfg, pool, bs = self.config, self.pool, self.config.block_size
-        budget = cfg.max_num_batched_tokens
+        """Pick this step's work one request at a time: running first, then waiting (vLLM v1
+        order). With a cohort, only when it is empty."""
+        pool, bs = self.pool, self.config.block_size
+        budget = self.config.max_num_batched_tokens
         work: list[tuple[_Seq, int]] = []
         running = self._running
         preempted = False
@@ -235,6 +467,14 @@ class EngineModel:
             i += 1
         if preempted:
             return work, True
+        self._admit(work, budget)
+        return work, False
+
+    def _admit(self, work: list[tuple[_Seq, int]], budget: int) -> None:
+        """Admit waiting requests into the running batch while ``budget`` tokens and the batch
+        limit allow, with a prefix-cache lookup; append them to ``work``."""
+        cfg, pool, bs = self.config, self.pool, self.config.block_size
+        running = self._running
         waiting = self._waiting
         while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             seq = waiting[0]
@@ -262,23 +502,32 @@ class EngineModel:
                 self._hit_tokens += computed
             self._queued_prefill += _pending(seq)
             seq.stepping = True
+            self._adm += 1
+            seq.adm = self._adm
             running.append(seq)
+            self._explicit.append(seq)
             work.append((seq, n))
             budget -= n
-        return work, False
 
     def _plan_stretch(self, step: _Step, num_decode: int, decode_kv: int) -> None:
         """Extend a pure-decode step into a stretch of identical-batch steps (see module doc)."""
         if self._waiting and self._admissible():
             return
         bs = self.pool.block_size
-        k = min(seq.req.output_len - seq.out for seq, _ in step.work)
+        work = step.work
+        cohort = self._cohort if step.cohort else None
+        if cohort is not None and not cohort.n:
+            cohort = None
+        k = min((seq.req.output_len - seq.out for seq, _ in work), default=1 << 62)
+        if cohort is not None:
+            k = min(k, cohort.remaining())
         if k < 2:
             return
         free = self.pool.free
 
         def blocks_for(steps: int) -> int:  # blocks needed beyond those held, after `steps` steps
-            return sum(max(-(-(seq.computed + steps) // bs) - seq.nblocks, 0) for seq, _ in step.work)
+            n = sum(max(-(-(seq.computed + steps) // bs) - seq.nblocks, 0) for seq, _ in work)
+            return n + cohort.blocks_for(steps) if cohort is not None else n
 
         if blocks_for(k) > free:
             lo, hi = 1, k  # largest steps with blocks_for(steps) <= free; blocks_for(1) == 0
@@ -351,7 +600,13 @@ class EngineModel:
         pool, bs = self.pool, self.pool.block_size
         outputs = self._outputs
         report = self.config.report_tokens
+        cohort = self._cohort
+        if step.cohort and cohort is not None and cohort.n:
+            if steps > 1:  # blocks for the stretch's later steps (never evicting: see _plan_stretch)
+                pool.allocate(cohort.blocks_for(steps))
+            cohort.advance(steps)
         finished: list[_Seq] = []
+        decoding: list[_Seq] = []  # stepped requests now decoding (they join the cohort)
         for seq, n in step.work:
             if not seq.stepping:
                 continue  # aborted or preempted meanwhile
@@ -367,6 +622,8 @@ class EngineModel:
                 seq.known += steps
                 if seq.out >= seq.req.output_len:
                     finished.append(seq)
+                else:
+                    decoding.append(seq)
                 continue
             if seq.out and seq.known - seq.computed == 1:  # one decode step: the hot path
                 seq.computed += 1
@@ -382,10 +639,24 @@ class EngineModel:
                 outputs.append(EngineOutput(OutputKind.TOKEN, seq.req.req_id, t, seq.out, seq.cached_tokens))
             if seq.out >= seq.req.output_len:
                 finished.append(seq)
+            else:
+                decoding.append(seq)
+        explicit = self._explicit
+        if finished:
+            for seq in finished:
+                explicit.remove(seq)
+        if step.cohort and cohort is not None and cohort.fin:
+            done = cohort.pop_finished()
+            if done:
+                finished = sorted(finished + done, key=_by_adm) if finished else done
         for seq in finished:
             self._running.remove(seq)
             self._drop(seq)
             outputs.append(EngineOutput(OutputKind.FINISHED, seq.req.req_id, t, seq.out, seq.cached_tokens))
+        if cohort is not None:
+            for seq in decoding:
+                explicit.remove(seq)
+                cohort.join(seq)
 
     def _prefill_done(self, seq: _Seq, n: int) -> None:
         """``seq`` computed ``n`` more prefill tokens: update the queued-prefill counter and cache
@@ -402,8 +673,13 @@ class EngineModel:
 
     def _preempt(self, seq: _Seq, now: float) -> None:
         """Recompute preemption: free everything, requeue at the front; the prompt and the output
-        so far must be prefilled again."""
+        so far must be prefilled again. ``seq`` was just taken off the end of the running batch."""
         self._preemptions += 1
+        explicit = self._explicit
+        if explicit and explicit[-1] is seq:
+            explicit.pop()
+        else:
+            explicit.remove(seq)
         self._queued_prefill -= _pending(seq)
         self.pool.release(seq.held, seq.nblocks - len(seq.held))
         seq.held = []
@@ -424,3 +700,6 @@ class EngineModel:
         seq.nblocks = 0
         seq.stepping = False
         del self._seqs[seq.req.req_id]
+
+
+_by_adm = attrgetter("adm")

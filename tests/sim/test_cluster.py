@@ -166,3 +166,50 @@ def test_reproduce_command_carries_every_non_default_setting() -> None:
     ):
         assert flag in cmd
     assert "--max-num-seqs" not in RunSpec(workload="coder").command_line()
+
+
+@pytest.mark.parametrize("interval", [0.0, 0.05, 1.0])
+def test_cached_routing_views_match_a_fresh_pass_per_request(
+    interval: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``_all_views`` skips instances while no load copy is due and engine copies while the engine
+    is unchanged; the run must equal one that builds every view every time, as before."""
+    spec = RunSpec(
+        policy="lmetric",
+        instances=4,
+        workload="chatbot",
+        rate_scale=4.0,
+        duration=40.0,
+        scrape_interval=interval,
+    )
+    fast = run_spec(spec)
+
+    def every_view(self: ClusterSim, now: float) -> list:
+        for inst in self._insts:
+            inst.snap_version = -1  # always copy the engine's stats
+        return [self._view(i, inst, now) for i, inst in enumerate(self._insts)]
+
+    monkeypatch.setattr(ClusterSim, "_all_views", every_view)
+    slow = run_spec(spec)
+    for out in (fast, slow):
+        out.pop("wall_seconds")
+    assert fast == slow and fast["requests"] > 50
+
+
+def test_engine_version_changes_whenever_its_stats_do() -> None:
+    """The staleness test behind the cached views: equal ``version`` implies equal ``stats()``."""
+    profile = get_profile()
+    cfg = SimConfig(instances=2, policy="lmetric", kv_capacity_tokens=20_000)
+    sim = ClusterSim(cfg, make_policy("lmetric"), profile.cost)
+    seen: dict[tuple[int, int], object] = {}
+    original = ClusterSim._after_engine
+
+    def spy(self: ClusterSim, i: int, now: float) -> None:
+        original(self, i, now)
+        for k, inst in enumerate(self._insts):
+            stats = inst.engine.stats()
+            assert seen.setdefault((k, inst.engine.version), stats) == stats
+
+    sim._after_engine = spy.__get__(sim)  # type: ignore[method-assign]
+    sim.run(burst(30, prompt=2048, out=50))
+    assert len(seen) > 10

@@ -238,6 +238,7 @@ class EngineModel:
         self._query_tokens = 0
         self._hit_tokens = 0
         self._preemptions = 0
+        self.version = 0  # changes whenever ``stats()`` may have (a cheap staleness test for copies)
 
     # -- driver interface ---------------------------------------------------------------------
     def add_request(self, req: EngineRequest, now: float) -> None:
@@ -249,6 +250,7 @@ class EngineModel:
         if len(req.block_hashes) > req.prompt_len // self.config.block_size:
             raise ValueError("more block hashes than full prompt blocks")
         seq = _Seq(req)
+        self.version += 1
         bs = self.config.block_size
         total = req.prompt_len + req.output_len
         if total > self.config.max_model_len or -(-total // bs) > self.config.num_kv_blocks:
@@ -268,6 +270,7 @@ class EngineModel:
         seq = self._seqs.get(req_id)
         if seq is None:
             return False
+        self.version += 1
         self._cut_stretch(now)
         if seq.lazy:
             assert self._cohort is not None
@@ -294,6 +297,7 @@ class EngineModel:
         while self._step is not None and self._step.end <= now:
             step = self._step
             self._step = None
+            self.version += 1
             self._complete(step)
             if self._waiting or self._running:
                 self._start_step(step.end)
@@ -307,6 +311,7 @@ class EngineModel:
 
     def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache (emits ``AllBlocksCleared``); refused while blocks are in use."""
+        self.version += 1
         return self.pool.clear()
 
     def stats(self) -> EngineStats:

@@ -98,6 +98,7 @@ class _Inst:
     engine: EngineModel
     snap: EngineStats
     snap_time: float
+    snap_version: int = -1  # the engine's ``version`` when ``snap`` was copied
     opt: dict[int, int] = field(default_factory=dict)  # req_id -> new prefill tokens (optimistic)
     opt_tokens: int = 0
     wake: float | None = None  # time of the scheduled wake-up (None: none pending)
@@ -141,6 +142,11 @@ class ClusterSim:
         self._by_class: dict[str, LatencyRecorder] = {}
         self.quota_rejected = 0
         self.timeline = TtftTimeline() if config.scale_out else None
+        # routing views as of the last full pass; ``_oldest_snap``: the oldest load copy then (no
+        # copy is due before ``_oldest_snap + scrape_interval``); ``_dirty``: views to rebuild
+        self._views: list[InstanceView] = []
+        self._oldest_snap = -math.inf
+        self._dirty: set[int] = set()
 
     # -- set-up ---------------------------------------------------------------------------------
     def _build(self, block_size: int) -> None:
@@ -253,14 +259,33 @@ class ClusterSim:
             self._next_arrival(nxt, it)
 
     # -- routing ----------------------------------------------------------------------------------
+    def _all_views(self, now: float) -> list[InstanceView]:
+        """One view per instance at ``now`` (``_view`` of each, skipped while no copy is due)."""
+        insts = self._insts
+        interval = self.config.scrape_interval
+        views = self._views
+        if interval and now - self._oldest_snap < interval and len(views) == len(insts):
+            for i in self._dirty:
+                views[i] = self._view(i, insts[i], now)
+        else:
+            views = self._views = [self._view(i, inst, now) for i, inst in enumerate(insts)]
+            self._oldest_snap = min(inst.snap_time for inst in insts)
+        self._dirty.clear()
+        return list(views)
+
     def _view(self, i: int, inst: _Inst, now: float) -> InstanceView:
         interval = self.config.scrape_interval
         if now - inst.snap_time >= interval or interval == 0:
-            inst.snap = inst.engine.stats()
+            eng = inst.engine
+            if eng.version != inst.snap_version:  # else the copy would be the same
+                inst.snap = eng.stats()
+                inst.snap_version = eng.version
+                inst.view = None
             inst.snap_time = now
-            inst.opt.clear()
-            inst.opt_tokens = 0
-            inst.view = None
+            if inst.opt:
+                inst.opt.clear()
+                inst.opt_tokens = 0
+                inst.view = None
         view = inst.view
         if view is None:
             s = inst.snap
@@ -292,7 +317,7 @@ class ClusterSim:
                 self.quota_rejected += 1
                 return
             key = guard.note(req.block_ids, bs, now)
-        views = [self._view(i, inst, now) for i, inst in enumerate(insts)]
+        views = self._all_views(now)
         rv = RequestView(
             prompt_tokens=prompt,
             cached_tokens=cached,
@@ -309,6 +334,7 @@ class ClusterSim:
         inst.opt[req.req_id] = new_tokens
         inst.opt_tokens += new_tokens
         inst.view = None
+        self._dirty.add(choice)
         if isinstance(self._index, ApproxPrefixIndex):
             self._index.assign(choice, req.block_ids, now)
         self._live[req.req_id] = _Live(now, prompt, req.output_len, choice, req_class=req.req_class)
@@ -357,6 +383,7 @@ class ClusterSim:
                 if tokens is not None:
                     inst.opt_tokens -= tokens
                     inst.view = None
+                    self._dirty.add(i)
             if kind is OutputKind.FINISHED:
                 rec = live.pop(o.req_id)
                 self.recorder.add(rec.arrival, rec.first, o.time, rec.prompt_len, rec.cached, rec.output_len)
@@ -373,6 +400,7 @@ class ClusterSim:
                 if tokens is not None:
                     inst.opt_tokens -= tokens
                     inst.view = None
+                    self._dirty.add(i)
                 self.rejected += 1
 
     def _deliver(self, i: int, events: list[KVEvent]) -> None:

@@ -2,9 +2,11 @@
 
 Setup (all on loopback, all processes on this machine's cores): 4 emulated engines (``kvroute
 engine`` subprocesses, time scale 1000 so that modelled compute is ~negligible, KV events on); a
-``kvroute serve`` subprocess (lmetric, exact KV view from the engines' events); an ``sglang-router``
-subprocess (pip ``sglang-router``, ``--policy cache_aware``) over the same 4 engines. The load
-generator is this process (``kvroute.loadgen``, open loop, every response streamed).
+``kvroute serve`` subprocess (lmetric, exact KV view from the engines' events, default
+``--tokenize defer``), a second one with ``--tokenize exact`` (path ``kvroute-exact``: every prompt
+tokenized before routing); an ``sglang-router`` subprocess (pip ``sglang-router``, ``--policy
+cache_aware``) over the same 4 engines. The load generator is this process (``kvroute.loadgen``,
+open loop, every response streamed).
 
 Workload: the ``chatbot`` synthetic workload's prompts (block ids → stable synthetic text), outputs
 cut to ``OUTPUT_TOKENS`` tokens so that the run measures the proxies, not token generation:
@@ -14,8 +16,10 @@ cut to ``OUTPUT_TOKENS`` tokens so that the run measures the proxies, not token 
 2. **Capacity**: offered rates from ``RATES`` (req/s, constant spacing, ``STEP_S`` seconds each) until
    a step fails; a step is sustained when every request finishes and the last one finishes within
    ``DRAIN_S`` seconds after the last arrival. Reported: the highest sustained rate.
-3. **Router CPU per request**: the router process's user+system CPU time (``/proc/PID/stat``) over
-   both phases / requests it served, milliseconds.
+3. **Router CPU per request**: the router process's user+system CPU time (``/proc/PID/stat``) during
+   its own phases (latency and capacity) / requests it served there, milliseconds. Background work
+   (health checks, /metrics scrapes, KV events of *all* engine traffic) is included; the idle CPU of
+   each router (ms per second, no traffic at all) is reported separately.
 
 Writes ``benchmarks/results/proxy.json``. Skips (returns 0 with a note) if sglang-router is not
 installed (``pip install -e '.[bench]'``); kvroute and direct are still measured then.
@@ -55,6 +59,7 @@ LAT_REQUESTS = 200
 RATES = (25, 50, 100, 200, 400, 700, 1000, 1400)
 STEP_S = 3.0
 DRAIN_S = 2.0
+IDLE_S = 3.0
 TARGET_ADDED_P50_MS = 1.0
 TARGET_RPS = 1000.0
 
@@ -154,6 +159,10 @@ async def _measure() -> dict[str, Any]:
             cmd += ["--backend", b.url, "--kv-events", f"{b.url}={b.kv_events}"]
         procs["kvroute"] = _spawn(cmd)
         urls["kvroute"] = f"http://127.0.0.1:{port}"
+        port = free_port()
+        cmd = [*cmd[:4], "--port", str(port), *cmd[6:], "--tokenize", "exact"]
+        procs["kvroute-exact"] = _spawn(cmd)
+        urls["kvroute-exact"] = f"http://127.0.0.1:{port}"
         sglang = shutil.which("sglang-router") is not None or _has_module("sglang_router")
         if sglang:
             sport = free_port()
@@ -180,30 +189,39 @@ async def _measure() -> dict[str, Any]:
         await asyncio.sleep(1.0)
         async with aiohttp.ClientSession() as session:
             model = await fetch_model(session, backends[0].url)  # sglang-router lists "unknown"
-        out: dict[str, Any] = {"paths": {}}
+        out: dict[str, Any] = {"paths": {name: {} for name in urls}}
+        idle0 = {n: _cpu_seconds(p.pid) for n, p in procs.items()}
+        await asyncio.sleep(IDLE_S)
+        for name, p in procs.items():
+            out["paths"][name]["router_idle_cpu_ms_per_s"] = (
+                1000.0 * (_cpu_seconds(p.pid) - idle0[name]) / IDLE_S
+            )
         lat_reqs = _requests(LAT_REQUESTS, LAT_RATE, seed=7)
-        cpu0 = {n: _cpu_seconds(p.pid) for n, p in procs.items()}
+        cpu = dict.fromkeys(procs, 0.0)
         served = dict.fromkeys(procs, 0)
         for name, url in urls.items():
             print(f"  latency: {name} ({LAT_REQUESTS} requests at {LAT_RATE:.0f} req/s)", flush=True)
+            c0 = _cpu_seconds(procs[name].pid) if name in procs else 0.0
             await run_bench(url, _requests(20, 50.0, seed=99), text, model)  # warm-up (connections, caches)
             res = await run_bench(url, lat_reqs, text, model)
             s = res.summary(name, INSTANCES if name != "direct" else 1)
-            out["paths"][name] = {
-                "latency": {k: s[k] for k in ("requests", "unfinished", "ttft_ms", "e2e_ms", "kv_hit_rate")}
+            out["paths"][name]["latency"] = {
+                k: s[k] for k in ("requests", "unfinished", "ttft_ms", "e2e_ms", "kv_hit_rate")
             }
-            if name in served:
+            if name in procs:
+                cpu[name] += _cpu_seconds(procs[name].pid) - c0
                 served[name] += res.requests + 20
         for name, url in urls.items():
             print(f"  capacity: {name}", flush=True)
+            c0 = _cpu_seconds(procs[name].pid) if name in procs else 0.0
             best, steps = await _capacity(url, text, model)
             out["paths"][name]["max_sustained_rps"] = best
             out["paths"][name]["capacity_steps"] = steps
-            if name in served:
+            if name in procs:
+                cpu[name] += _cpu_seconds(procs[name].pid) - c0
                 served[name] += sum(st["requests"] for st in steps)
-        for name, p in procs.items():
-            cpu = _cpu_seconds(p.pid) - cpu0[name]
-            out["paths"][name]["router_cpu_ms_per_request"] = 1000.0 * cpu / max(served[name], 1)
+        for name in procs:
+            out["paths"][name]["router_cpu_ms_per_request"] = 1000.0 * cpu[name] / max(served[name], 1)
         direct = out["paths"]["direct"]["latency"]["ttft_ms"]
         for name in procs:
             lat = out["paths"][name]["latency"]["ttft_ms"]
@@ -261,16 +279,19 @@ def main() -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "proxy.json").write_text(json.dumps(out, indent=2) + "\n")
     print(
-        "\n| path | TTFT p50 (ms) | TTFT p99 (ms) | added p50 (ms) | added p99 (ms) | max req/s | CPU ms/req |"
+        "\n| path | TTFT p50 (ms) | TTFT p99 (ms) | added p50 (ms) | added p99 (ms) | max req/s "
+        "| CPU ms/req | idle CPU ms/s |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, p in paths.items():
         lat = p["latency"]["ttft_ms"]
         add = p.get("added_ttft_ms", {"p50": 0.0, "p99": 0.0})
         cpu = p.get("router_cpu_ms_per_request")
+        idle = p.get("router_idle_cpu_ms_per_s")
         print(
             f"| {name} | {lat['p50']:.2f} | {lat['p99']:.2f} | {add['p50']:+.2f} | {add['p99']:+.2f} | "
-            f"{p['max_sustained_rps']:.0f} | {'-' if cpu is None else f'{cpu:.2f}'} |"
+            f"{p['max_sustained_rps']:.0f} | {'-' if cpu is None else f'{cpu:.2f}'} | "
+            f"{'-' if idle is None else f'{idle:.0f}'} |"
         )
     print(
         f"\ntargets: added TTFT p50 <= {TARGET_ADDED_P50_MS} ms and <= sglang-router's; "

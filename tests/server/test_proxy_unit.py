@@ -243,7 +243,7 @@ async def test_long_prompt_tokenized_off_loop_routes_like_inline(tokenizer: Toke
     long_body = {**BODY, "prompt": "the quick brown fox jumps " * (OFFLOAD_CHARS // 20)}
     assert len(long_body["prompt"]) >= OFFLOAD_CHARS
     t = FakeTransport({A: [Scripted(), Scripted()]})
-    server = await start(t, tokenizer, A)
+    server = await start(t, tokenizer, A, tokenize="exact")
     try:
         status, _, _ = await post(server.url, long_body)
         assert status == 200
@@ -251,4 +251,64 @@ async def test_long_prompt_tokenized_off_loop_routes_like_inline(tokenizer: Toke
         assert server.core.kv.match(inline.chain, server.core.clock())[0] == len(inline.chain) > 0
         assert counters_zero(server)
     finally:
+        await server.stop()
+
+
+async def _until(cond: object, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():  # type: ignore[operator]
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+async def test_deferred_tokenization_corrects_view_and_counters_in_flight(tokenizer: Tokenizer) -> None:
+    """tokenize=defer: a long new prompt is sent before its text is tokenized; while the request is
+    still waiting for its first byte, the tail's tokenization puts the whole chain in the chosen
+    backend's KV view and sets its queued prefill to the exact count; counters end at zero."""
+    from kvroute.blocks import hash_blocks
+    from kvroute.server.proxy import DEFER_CHARS
+
+    prompt = "a completely new document about routing and caches " * (2 * DEFER_CHARS // 50)
+    ids = tokenizer.encode(prompt)
+    chain = hash_blocks(ids, 16)
+    gate = asyncio.Event()
+    t = FakeTransport({A: [Scripted(gate=gate)]})
+    server = await start(t, tokenizer, A)
+    assert server.core.defer_tokenize
+    try:
+        req = asyncio.create_task(post(server.url, {**BODY, "prompt": prompt}))
+        backend = server.core.backends[0]
+        await _until(lambda: backend.waiting == 1)
+        await _until(lambda: server.core.kv.match(chain, server.core.clock())[0] == len(chain))
+        assert backend.queued_prefill == len(ids)  # nothing was cached: the whole prompt is new
+        gate.set()
+        status, _, body = await req
+        assert status == 200 and body.endswith(b"data: [DONE]\n\n")
+        assert counters_zero(server)
+        # the second time, the text is known: routed on exact blocks, no estimate
+        pending = server.core.tokenizer.split_prompt(prompt)
+        assert pending.tail_chars < DEFER_CHARS and len(pending.known) >= len(ids) - 200
+    finally:
+        gate.set()  # never leave the handler hanging (the server would wait for it on stop)
+        await server.stop()
+
+
+async def test_exact_tokenization_records_whole_chain_before_sending(tokenizer: Tokenizer) -> None:
+    from kvroute.blocks import hash_blocks
+    from kvroute.server.proxy import DEFER_CHARS
+
+    prompt = "another brand new text for the exact mode " * (2 * DEFER_CHARS // 40)
+    chain = hash_blocks(tokenizer.encode(prompt), 16)
+    gate = asyncio.Event()
+    t = FakeTransport({A: [Scripted(gate=gate)]})
+    server = await start(t, tokenizer, A, tokenize="exact")
+    try:
+        req = asyncio.create_task(post(server.url, {**BODY, "prompt": prompt}))
+        await _until(lambda: len(t.calls) == 1)  # sent: the chain was already recorded
+        assert server.core.kv.match(chain, server.core.clock())[0] == len(chain)
+        gate.set()
+        assert (await req)[0] == 200
+        assert counters_zero(server)
+    finally:
+        gate.set()
         await server.stop()

@@ -311,3 +311,47 @@ def test_segments_are_shared_by_equal_prefixes(tokenizer: object) -> None:
     misses = rt.misses
     assert list(rt.prompt(b)) == rt.tokenizer.encode(b)
     assert rt.misses == misses + 1 and rt.hits >= len(split_points(b)) - 1
+
+
+def test_split_then_finish_equals_tokenizing_at_once(tokenizer: object) -> None:
+    """Chats and prompts, partly cached: ``known`` is the cached leading part, ``finish`` the whole."""
+    from kvroute.server.tokenize import RequestTokenizer
+
+    rt = RequestTokenizer(tokenizer, cache_entries=1000)  # type: ignore[arg-type]
+    tok = rt.tokenizer
+    history = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Explain KV caches " * 30},
+    ]
+    rt.chat(history)
+    chat = [
+        *history,
+        {"role": "assistant", "content": "They store keys."},
+        {"role": "user", "content": "More?"},
+    ]
+    pending = rt.split_chat(chat)
+    cached_part = tok.encode_chat(history, add_generation_prompt=False)
+    assert pending.known == cached_part
+    assert pending.tail_chars == sum(len(t) for t in pending.texts) > 0
+    assert rt.finish(pending) == tok.encode_chat(chat)
+    base = "lorem ipsum dolor sit amet " * 100
+    rt.prompt(base)
+    prompt = base + "and then something else entirely " * 40
+    pending = rt.split_prompt(prompt)
+    assert 0 < len(pending.known) <= len(tok.encode(base))
+    assert pending.known == tok.encode(prompt)[: len(pending.known)]
+    assert rt.finish(pending) == tok.encode(prompt)
+    assert rt.split_prompt([1, 2, 3]).known == [1, 2, 3]
+
+
+def test_tail_estimate_is_close_for_english_text(tokenizer: object) -> None:
+    from kvroute.server.tokenize import RequestTokenizer
+
+    rt = RequestTokenizer(tokenizer, cache_entries=1000)  # type: ignore[arg-type]
+    for i in range(5):  # the ratio is learned from what was tokenized
+        rt.prompt(f"request {i}: the router sends each request to the instance with the lowest score " * 20)
+    text = "a new question about prefill tokens, batch sizes and cache hits in a cluster " * 30
+    pending = rt.split_prompt(text)
+    assert pending.known == []
+    true = len(rt.tokenizer.encode(text))
+    assert 0.8 * true <= rt.estimate_tail(pending) <= 1.25 * true

@@ -19,6 +19,7 @@ _SIMPLE = {
     "host": "host",
     "port": "port",
     "tokenizer": "tokenizer",
+    "tokenize": "tokenize",
     "block_size": "block_size",
     "max_body_bytes": "max_body_bytes",
     "scrape_interval": "scrape_interval_s",
@@ -58,6 +59,12 @@ def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> N
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, help="port to listen on (default 8080)")
     p.add_argument("--tokenizer", help="tokenizer.json or folder (default: bundled Qwen3)")
+    p.add_argument(
+        "--tokenize",
+        choices=("defer", "exact"),
+        help="defer (default): route on the known token blocks and tokenize new text on the way; "
+        "exact: tokenize everything before routing (several router replicas with KV events)",
+    )
     p.add_argument("--block-size", type=int, help="KV block size in tokens (default 16)")
     p.add_argument("--max-body-bytes", type=int, help="largest request body (default 32 MiB)")
     p.add_argument("--scrape-interval", type=float, help="seconds between /metrics scrapes (default 0.05)")

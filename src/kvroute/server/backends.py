@@ -211,6 +211,13 @@ class Lease:
         """True once the first byte came back."""
         return self._state >= 1
 
+    def adjust(self, prefill_tokens: int) -> None:
+        """The request's prefill turned out to be ``prefill_tokens`` (it was estimated): corrects the
+        queued count while still waiting; afterwards there is nothing to correct."""
+        if self._state == 0:
+            self.backend.queued_prefill += prefill_tokens - self.prefill
+            self.prefill = prefill_tokens
+
     def first_byte(self) -> None:
         """waiting → running; the prefill tokens leave the queue."""
         if self._state == 0:

@@ -25,10 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 import orjson
 from aiohttp import web
 
+from kvroute.blocks import hash_blocks
 from kvroute.server.backends import BackendState, Lease
 from kvroute.server.router import Plan, QuotaExceeded, RouterCore
+from kvroute.server.tokenize import Pending
 from kvroute.server.transport import Transport, UpstreamBrokenError, UpstreamConnectError, UpstreamResponse
-from kvroute.server.validate import ApiError, ParsedRequest, error_body, parse_request
+from kvroute.server.validate import ApiError, error_body, parse_request
 
 __all__ = ["Proxy", "extract_cached_tokens"]
 
@@ -64,15 +66,58 @@ def extract_cached_tokens(data: bytes) -> int | None:
     return cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
 
 
+DEFER_CHARS = 1024
+"""With ``tokenize: defer``: a prompt with at least this many characters of text the router has not
+tokenized before is routed before that text is tokenized (see ``RouterConfig.tokenize``)."""
+
 OFFLOAD_CHARS = 8192
-"""Prompts at least this long (characters; ~2,000 tokens, a couple of ms to tokenize) are tokenized
-off the event loop. Shorter ones are cheaper than the thread hand-off."""
+"""With ``tokenize: exact``: at least this many characters to tokenize (~2,000 tokens, a couple of
+ms) are tokenized off the event loop. Less is cheaper than the thread hand-off."""
 
 
-def _prompt_chars(req: ParsedRequest) -> int:
-    if req.messages is not None:
-        return sum(len(m["content"]) for m in req.messages if isinstance(m.get("content"), str))
-    return len(req.prompt) if isinstance(req.prompt, str) else 0
+class _Tail:
+    """The deferred tokenization of a routed request's new text, run on the tokenizer thread.
+
+    Until it is done the request travels on an estimate (``plan.prompt_tokens``, a chain of its known
+    blocks only); when done, on the event loop: every backend the request was sent to records the
+    whole chain in the KV view, and the live attempt's queued prefill is corrected."""
+
+    __slots__ = ("chain", "core", "lease", "n_tokens", "plan", "routed")
+
+    def __init__(self, core: RouterCore, plan: Plan) -> None:
+        self.core = core
+        self.plan = plan
+        self.chain: tuple[int, ...] | None = None  # the whole prompt's chain, once known
+        self.n_tokens = 0  # the whole prompt's tokens, once known
+        self.routed: list[int] = []  # backends the request was sent to so far
+        self.lease: Lease | None = None  # the attempt in progress
+
+    def start(self, pool: ThreadPoolExecutor, pending: Pending, salt: str | None) -> None:
+        fut = asyncio.get_running_loop().run_in_executor(pool, self._work, pending, salt)
+        fut.add_done_callback(self._done)
+
+    def _work(self, pending: Pending, salt: str | None) -> tuple[int, tuple[int, ...]]:
+        ids = self.core.tokenizer.finish(pending)
+        return len(ids), tuple(hash_blocks(ids, self.core.config.block_size, extra_key=salt))
+
+    def _done(self, fut: asyncio.Future[tuple[int, tuple[int, ...]]]) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:  # the request already went out on the estimate; only the view misses it
+            log.warning("tokenizing a routed request's new text failed: %r", exc)
+            return
+        self.n_tokens, self.chain = fut.result()
+        now = self.core.clock()
+        for idx in self.routed:
+            self.core.kv.on_routed(idx, self.chain, now)
+        if self.lease is not None:
+            self.lease.adjust(self.prefill(self.lease.backend.index))
+
+    def prefill(self, idx: int) -> int:
+        """The exact new prefill on backend ``idx`` (once the tail is tokenized)."""
+        cached = min(self.plan.cached_blocks.get(idx, 0) * self.core.config.block_size, self.n_tokens)
+        return self.n_tokens - cached
 
 
 class _ClientGone(Exception):
@@ -122,11 +167,20 @@ class Proxy:
             raw = await self._read_body(request)
             t0 = time.perf_counter()
             parsed = parse_request(raw, chat)
-            ids = None
-            if _prompt_chars(parsed) >= OFFLOAD_CHARS:
+            core = self.core
+            pending = core.split(parsed)
+            tail = None
+            if pending.tail_chars >= DEFER_CHARS and core.defer_tokenize:
+                est = core.tokenizer.estimate_tail(pending)
+                plan = core.plan(parsed, pending.known, request.headers, tail_tokens=est)
+                tail = _Tail(core, plan)
+                tail.start(self._tokenize_pool, pending, parsed.cache_salt)
+            elif pending.tail_chars >= OFFLOAD_CHARS:
                 loop = asyncio.get_running_loop()
-                ids = await loop.run_in_executor(self._tokenize_pool, self.core.tokens, parsed)
-            plan = self.core.plan(parsed, ids, request.headers)
+                ids = await loop.run_in_executor(self._tokenize_pool, core.tokenizer.finish, pending)
+                plan = core.plan(parsed, ids, request.headers)
+            else:
+                plan = core.plan(parsed, core.tokenizer.finish(pending), request.headers)
             self.route_seconds_sum += time.perf_counter() - t0
             self.route_count += 1
         except ApiError as err:
@@ -140,7 +194,7 @@ class Proxy:
             counters.rejected += 1
             return error_response(err)
         headers = _forward_headers(request)
-        return await self.forward(request, plan, path, raw, headers, parsed.stream)
+        return await self.forward(request, plan, path, raw, headers, parsed.stream, tail)
 
     # ---- forwarding --------------------------------------------------------------------------
 
@@ -152,8 +206,10 @@ class Proxy:
         body: bytes,
         headers: dict[str, str],
         stream: bool,
+        tail: _Tail | None = None,
     ) -> web.StreamResponse:
-        """Try the plan's backends in order (see the module docstring); always returns a response."""
+        """Try the plan's backends in order (see the module docstring); always returns a response.
+        ``tail``: the request's deferred tokenization, if any."""
         core = self.core
         counters = core.counters
         attempts = plan.order[: 1 + core.config.max_retries]
@@ -164,8 +220,15 @@ class Proxy:
                 continue
             if n:
                 counters.retries += 1
-            lease = Lease(backend, plan.new_prefill[idx])
-            core.kv.on_routed(idx, plan.chain, core.clock())
+            if tail is None:
+                lease = Lease(backend, plan.new_prefill[idx])
+                core.kv.on_routed(idx, plan.chain, core.clock())
+            else:
+                known = tail.chain is not None
+                lease = Lease(backend, tail.prefill(idx) if known else plan.new_prefill[idx])
+                core.kv.on_routed(idx, tail.chain or plan.chain, core.clock())
+                tail.routed.append(idx)
+                tail.lease = lease
             try:
                 up = await self.transport.send(backend.url, "POST", path, body, headers)
             except UpstreamConnectError as exc:
@@ -181,7 +244,7 @@ class Proxy:
                 up.abort()
                 last_error = f"backend {backend.url} answered {up.status}"
                 continue
-            result = await self._relay(request, up, lease, plan, stream)
+            result = await self._relay(request, up, lease, plan, stream, tail)
             if result is not None:
                 return result
             last_error = f"backend {backend.url} failed before its first byte"
@@ -195,7 +258,13 @@ class Proxy:
             log.warning("ejected backend %s: %s", backend.url, why)
 
     async def _relay(
-        self, request: web.Request, up: UpstreamResponse, lease: Lease, plan: Plan, stream: bool
+        self,
+        request: web.Request,
+        up: UpstreamResponse,
+        lease: Lease,
+        plan: Plan,
+        stream: bool,
+        tail: _Tail | None,
     ) -> web.StreamResponse | None:
         """Relay one upstream response; None when it broke before its first byte (retry)."""
         idx = lease.backend.index
@@ -214,14 +283,14 @@ class Proxy:
                 resp = await self._relay_buffered(up, first, chunks)
                 done = True
                 if resp.status == 200 and isinstance(resp.body, bytes):
-                    self._learn(idx, plan, resp.body)
+                    self._learn(idx, plan, resp.body, tail)
                 return resp
             out = web.StreamResponse(status=up.status, headers={"Content-Type": up.content_type})
             out.enable_chunked_encoding()
-            tail = await self._relay_stream(request, out, first, chunks)
-            done = tail is not None
-            if tail is not None:
-                self._learn(idx, plan, tail)
+            end = await self._relay_stream(request, out, first, chunks)
+            done = end is not None
+            if end is not None:
+                self._learn(idx, plan, end, tail)
             return out
         finally:
             lease.release()
@@ -279,10 +348,12 @@ class Proxy:
         counters.ok += 1
         return tail
 
-    def _learn(self, idx: int, plan: Plan, tail: bytes) -> None:
-        cached = extract_cached_tokens(tail)
+    def _learn(self, idx: int, plan: Plan, end: bytes, tail: _Tail | None) -> None:
+        """Correct the approximate KV view from the ``cached_tokens`` in the response's ``end``."""
+        cached = extract_cached_tokens(end)
         if cached is not None:
-            self.core.kv.on_usage(idx, plan.chain, cached, plan.cached_blocks.get(idx, 0), self.core.clock())
+            chain = tail.chain if tail is not None and tail.chain is not None else plan.chain
+            self.core.kv.on_usage(idx, chain, cached, plan.cached_blocks.get(idx, 0), self.core.clock())
 
 
 async def _write(out: web.StreamResponse, request: web.Request, data: bytes, prepare: bool = False) -> None:

@@ -22,7 +22,7 @@ from kvroute.policies.guarded import Guarded
 from kvroute.server.backends import BackendState
 from kvroute.server.config import RouterConfig
 from kvroute.server.kvview import KVView
-from kvroute.server.tokenize import RequestTokenizer
+from kvroute.server.tokenize import Pending, RequestTokenizer
 from kvroute.server.validate import ApiError, ParsedRequest
 from kvroute.views import Decision, RequestView
 
@@ -101,24 +101,38 @@ class RouterCore:
         if self.guard is not None and self.guard.warmup is not None:
             self.kv.on_cleared = self.backend_reset
 
-    def tokens(self, req: ParsedRequest) -> Sequence[int]:
-        """The prompt's token ids (400 for content the tokenizer rejects)."""
+    @property
+    def defer_tokenize(self) -> bool:
+        """Route before tokenizing new text (``config.tokenize == "defer"``, features off)."""
+        return self.config.tokenize == "defer" and self.guard is None
+
+    def split(self, req: ParsedRequest) -> Pending:
+        """The prompt split at its first uncached piece (400 for content the tokenizer rejects)."""
         try:
             if req.chat:
                 assert req.messages is not None
-                return self.tokenizer.chat(req.messages)
+                return self.tokenizer.split_chat(req.messages)
             assert req.prompt is not None
-            return self.tokenizer.prompt(req.prompt)
+            return self.tokenizer.split_prompt(req.prompt)
         except (TypeError, ValueError, KeyError) as exc:
             raise ApiError(400, f"cannot tokenize the request: {exc}") from None
 
+    def tokens(self, req: ParsedRequest) -> list[int]:
+        """The prompt's token ids (400 for content the tokenizer rejects)."""
+        return self.tokenizer.finish(self.split(req))
+
     def plan(
-        self, req: ParsedRequest, ids: Sequence[int] | None = None, headers: Mapping[str, str] | None = None
+        self,
+        req: ParsedRequest,
+        ids: Sequence[int] | None = None,
+        headers: Mapping[str, str] | None = None,
+        tail_tokens: int = 0,
     ) -> Plan:
-        """Route ``req`` (``ids``: its token ids when already computed, e.g. on a worker thread;
-        ``headers``: the client's, for the class header and the API key). Raises ApiError(503) when no
-        backend is healthy, 400 for untokenizable input or an unknown request class, QuotaExceeded
-        (429) over quota."""
+        """Route ``req`` (``ids``: its token ids when already computed, e.g. on a worker thread, or
+        only their known leading part, followed by about ``tail_tokens`` more: then the chain covers
+        the known part and the prompt length is estimated; ``headers``: the client's, for the class
+        header and the API key). Raises ApiError(503) when no backend is healthy, 400 for
+        untokenizable input or an unknown request class, QuotaExceeded (429) over quota."""
         candidates = [b for b in self.backends if b.healthy]
         if not candidates:
             raise ApiError(503, "no healthy backend", etype="service_unavailable")
@@ -130,7 +144,7 @@ class RouterCore:
         except ValueError as exc:
             raise ApiError(400, f"invalid token ids: {exc}", "prompt") from None
         now = self.clock()
-        n_prompt = len(ids)
+        n_prompt = len(ids) + tail_tokens
         matched = self.kv.match(chain, now)
         cached_blocks = [matched[b.index] for b in candidates]
         cached = tuple(min(c * bs, n_prompt) for c in cached_blocks)

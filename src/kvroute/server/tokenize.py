@@ -12,18 +12,25 @@ The GPT-style pre-tokenizer regex (Qwen, Llama 3, GPT-4) always starts a new pre
 pre-tokens and NFC cannot compose across a space, so the segments' tokens concatenate to exactly the
 whole prompt's tokens. Split points depend only on the text before them, so prompts with an equal
 prefix share their leading segments, and a conversation's earlier turns hit the cache.
+
+Two steps, so that the router can route before the new text is tokenized: :meth:`RequestTokenizer.split`
+looks a request's pieces (messages or segments) up in the cache and returns a :class:`Pending`: the
+token ids of its leading cached pieces (``known``) and the pieces after them; :meth:`RequestTokenizer.finish`
+tokenizes those pieces (one batch call), caches them and returns the whole prompt's ids.
+``finish(split(x))`` is exactly the tokenization of ``x`` (tested).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvroute.tokenizer import Tokenizer, message_text
+from kvroute.tokenizer import Tokenizer, message_text, render_message
 
-__all__ = ["SEGMENT_CHARS", "RequestTokenizer", "split_points"]
+__all__ = ["SEGMENT_CHARS", "Pending", "RequestTokenizer", "split_points"]
 
 SEGMENT_CHARS = 512
 
@@ -50,11 +57,33 @@ def split_points(text: str, every: int = SEGMENT_CHARS) -> list[int]:
     return ends
 
 
-class RequestTokenizer:
-    """Tokenizes prompts and chats; ``cache_entries`` bounds the per-message cache (0 disables it).
+@dataclass(slots=True)
+class Pending:
+    """A request split at its first uncached piece (see the module docstring).
 
-    Mutates only its own cache and hit/miss counters; safe to call from several threads (the cache
-    is locked, the tokenizer itself runs outside the lock and releases the GIL).
+    - ``known``: token ids of the leading pieces found in the cache (or the ids the client sent);
+    - ``keys``/``texts``: the pieces after them, in order: cache key (None: not cached) and text;
+    - ``suffix``: ids that always follow them (the chat generation prompt);
+    - ``tail_chars``: characters in ``texts`` (what is left to tokenize).
+    """
+
+    known: list[int]
+    keys: list[tuple[str, str] | None] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    suffix: tuple[int, ...] = ()
+    tail_chars: int = 0
+
+
+_PRIOR_CHARS = 4096.0  # the tokens-per-character estimate starts as this many characters at ...
+_PRIOR_RATIO = 0.25  # ... 4 characters per token (English text, BPE)
+
+
+class RequestTokenizer:
+    """Tokenizes prompts and chats; ``cache_entries`` bounds the piece cache (0 disables it).
+
+    Mutates only its own cache, its hit/miss counters and its tokens-per-character estimate; safe to
+    call from several threads (the cache is locked, the tokenizer itself runs outside the lock and
+    releases the GIL).
     """
 
     def __init__(self, tokenizer: Tokenizer, cache_entries: int = 65536) -> None:
@@ -64,74 +93,111 @@ class RequestTokenizer:
         self._lock = threading.Lock()  # the proxy may tokenize long prompts on a worker thread
         self.hits = 0
         self.misses = 0
+        self._chars = _PRIOR_CHARS  # characters tokenized (plus the prior) ...
+        self._tokens = _PRIOR_CHARS * _PRIOR_RATIO  # ... and the tokens they gave
 
-    def _cached(self, key: tuple[str, str], encode: Callable[[], Sequence[int]]) -> tuple[int, ...]:
-        """The cached ids under ``key``, or ``encode()`` remembered there (LRU, ``cache_entries``)."""
+    # ---- two-step interface ------------------------------------------------------------------
+
+    def split_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> Pending:
+        """Split a chat (validated mappings with a string role). Raises TypeError for malformed content."""
+        tok = self.tokenizer
+        if not tok.per_message_exact:  # the whole rendering is one uncached piece
+            text = tok.render_chat(messages, add_generation_prompt)
+            return Pending([], [None], [text], (), len(text))
+        keys: list[tuple[str, str] | None] = [(m["role"], message_text(m.get("content"))) for m in messages]
+        texts = [render_message(role, content) for role, content in keys]  # type: ignore[misc]
+        suffix = tuple(tok.generation_prompt_tokens()) if add_generation_prompt else ()
+        return self._split(keys, texts, suffix)
+
+    def split_prompt(self, prompt: str | Sequence[int]) -> Pending:
+        """Split a completion prompt: a string into segments (see the module docstring); token ids
+        are all known."""
+        if not isinstance(prompt, str):
+            return Pending(list(prompt))
+        if len(prompt) < 2 * SEGMENT_CHARS or not self._max:
+            return Pending([], [None], [prompt], (), len(prompt))
+        texts = []
+        start = 0
+        for end in split_points(prompt):
+            texts.append(prompt[start:end])
+            start = end
+        # role "" never collides with a chat message key (roles are non-empty)
+        return self._split([("", t) for t in texts], texts, ())
+
+    def _split(
+        self, keys: list[tuple[str, str] | None], texts: list[str], suffix: tuple[int, ...]
+    ) -> Pending:
+        known: list[int] = []
+        cache = self._cache
+        n = 0
+        with self._lock:
+            for key in keys:
+                assert key is not None
+                ids = cache.get(key)
+                if ids is None:
+                    break
+                cache.move_to_end(key)
+                known.extend(ids)
+                n += 1
+            self.hits += n
+        rest = texts[n:]
+        return Pending(known, keys[n:], rest, suffix, sum(map(len, rest)))
+
+    def finish(self, pending: Pending) -> list[int]:
+        """The whole prompt's token ids: ``pending.known``, its pieces tokenized (cached ones from the
+        cache, the others in one batch call, then cached), ``pending.suffix``."""
+        keys, texts = pending.keys, pending.texts
+        found: list[tuple[int, ...] | None] = [None] * len(keys)
         cache = self._cache
         with self._lock:
-            ids = cache.get(key)
-            if ids is not None:
-                cache.move_to_end(key)
-                self.hits += 1
-                return ids
-            self.misses += 1
-        ids = tuple(encode())  # outside the lock: the tokenizer is the slow part
-        if self._max:
+            for i, key in enumerate(keys):
+                hit = cache.get(key) if key is not None else None
+                if hit is not None:
+                    cache.move_to_end(key)  # type: ignore[arg-type]
+                found[i] = hit
+        missing = [i for i, hit in enumerate(found) if hit is None]
+        self.hits += len(keys) - len(missing)
+        self.misses += len(missing)
+        if missing:
+            encoded = self.tokenizer.encode_many([texts[i] for i in missing])
+            chars = 0
+            tokens = 0
             with self._lock:
-                cache[key] = ids
-                if len(cache) > self._max:
+                for i, seg_ids in zip(missing, encoded, strict=True):
+                    ids = found[i] = tuple(seg_ids)
+                    chars += len(texts[i])
+                    tokens += len(ids)
+                    key = keys[i]
+                    if key is not None and self._max:
+                        cache[key] = ids
+                while len(cache) > self._max:
                     cache.popitem(last=False)
-        return ids
+                self._chars += chars
+                self._tokens += tokens
+        ids_out = list(pending.known)
+        for part in found:
+            assert part is not None
+            ids_out.extend(part)
+        ids_out.extend(pending.suffix)
+        return ids_out
 
-    def _message(self, role: str, content: str) -> tuple[int, ...]:
-        return self._cached((role, content), lambda: self.tokenizer.message_tokens(role, content))
+    def estimate_tail(self, pending: Pending) -> int:
+        """Estimated token count of what ``pending`` has left (its texts and suffix), from the
+        tokens per character seen so far (a running ratio over everything tokenized)."""
+        return round(pending.tail_chars * self._tokens / self._chars) + len(pending.suffix)
+
+    # ---- one-step interface ------------------------------------------------------------------
 
     def chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the ChatML rendering of ``messages`` (validated mappings with a string role).
         Raises TypeError for malformed content."""
-        tok = self.tokenizer
-        if not tok.per_message_exact:
-            return tok.encode_chat(messages, add_generation_prompt)
-        ids: list[int] = []
-        for m in messages:
-            ids.extend(self._message(m["role"], message_text(m.get("content"))))
-        if add_generation_prompt:
-            ids.extend(tok.generation_prompt_tokens())
-        return ids
+        return self.finish(self.split_chat(messages, add_generation_prompt))
 
     def prompt(self, prompt: str | Sequence[int]) -> Sequence[int]:
         """Token ids of a completion prompt (a string, segment by segment through the cache; token ids
         are passed through)."""
         if not isinstance(prompt, str):
             return prompt
-        if len(prompt) < 2 * SEGMENT_CHARS or not self._max:
-            return self.tokenizer.encode(prompt)
-        segments = []
-        start = 0
-        for end in split_points(prompt):
-            segments.append(prompt[start:end])
-            start = end
-        # role "" never collides with a chat message key (roles are non-empty)
-        found: list[tuple[int, ...] | None] = []
-        cache = self._cache
-        with self._lock:
-            for text in segments:
-                hit = cache.get(("", text))
-                if hit is not None:
-                    cache.move_to_end(("", text))
-                found.append(hit)
-        missing = [i for i, hit in enumerate(found) if hit is None]
-        self.hits += len(segments) - len(missing)
-        self.misses += len(missing)
-        if missing:  # one batch call: the tokenizer encodes the segments in parallel, without offsets
-            encoded = self.tokenizer.encode_many([segments[i] for i in missing])
-            with self._lock:
-                for i, seg_ids in zip(missing, encoded, strict=True):
-                    found[i] = cache[("", segments[i])] = tuple(seg_ids)
-                while len(cache) > self._max:
-                    cache.popitem(last=False)
-        ids: list[int] = []
-        for part in found:
-            assert part is not None
-            ids.extend(part)
-        return ids
+        return self.finish(self.split_prompt(prompt))

@@ -62,6 +62,8 @@ def test_config_validate_ranges() -> None:
         RouterConfig(backends=()).validate()
     with pytest.raises(UserError, match="scrape_interval_s"):
         RouterConfig(backends=(BackendSpec("http://a:1"),), scrape_interval_s=0).validate()
+    with pytest.raises(UserError, match="tokenize='fast' must be one of defer, exact"):
+        RouterConfig(backends=(BackendSpec("http://a:1"),), tokenize="fast").validate()
 
 
 # ---- metrics and load view ------------------------------------------------------------------------

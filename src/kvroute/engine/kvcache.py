@@ -8,7 +8,13 @@ Accounting, in blocks of ``block_size`` tokens. Every block of the pool is in ex
   requests (refcount > 0) or *evictable* (refcount 0, kept in LRU order, reusable by a later
   request with the same prefix until its space is needed).
 
-Invariant: ``free + private + len(cached) == num_blocks`` and refcounts are never negative.
+Invariant: ``free + private + len(cached) == num_blocks``.
+
+Representation (speed: a chatbot turn releases and re-references its whole prefix): ``cached`` maps a
+hash to its refcount when referenced (> 0), or to ``-stamp`` when evictable, ``stamp`` numbering the
+moments blocks became evictable. The LRU order is a queue of (hash, stamp) in two parallel deques;
+re-referencing a block leaves its entry there, stale (its stamp no longer matches), to be skipped
+when evicting or dropped when the queue is compacted.
 Only prompt blocks are hashed (output tokens stay in private blocks), as the simulator's
 workloads describe prompts by block ids; a later turn's prompt that repeats an earlier answer
 carries that answer as prompt blocks, which then are cached.
@@ -19,10 +25,13 @@ Evictions and new cached blocks are recorded as KV events (``BlockStored``/``Blo
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Sequence
 
 from kvroute.engine.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+COMPACT_SLACK = 4096
+"""The LRU queue is compacted when it holds more than twice the cached blocks plus this many entries."""
 
 
 class BlockPool:
@@ -32,10 +41,13 @@ class BlockPool:
     """
 
     __slots__ = (
-        "_evictable",
+        "_lru_h",
+        "_lru_s",
+        "_stamp",
         "block_size",
         "cached",
         "events",
+        "evictable",
         "free",
         "num_blocks",
         "private",
@@ -49,9 +61,12 @@ class BlockPool:
         self.block_size = block_size
         self.free = num_blocks
         self.private = 0
-        self.cached: dict[int, int] = {}  # hash -> refcount
+        self.cached: dict[int, int] = {}  # hash -> refcount (> 0), or -stamp when evictable
         self.referenced = 0  # cached blocks with refcount > 0
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # refcount-0 hashes, LRU first
+        self.evictable = 0  # cached blocks with refcount 0
+        self._lru_h: deque[int] = deque()  # hashes that became evictable, oldest first (some stale)
+        self._lru_s: deque[int] = deque()  # their stamps
+        self._stamp = 0
         self.events: list[KVEvent] = []
 
     # -- queries -----------------------------------------------------------------------------
@@ -63,7 +78,7 @@ class BlockPool:
     @property
     def available(self) -> int:
         """Blocks an allocation may take: free plus evictable cached ones."""
-        return self.free + len(self._evictable)
+        return self.free + self.evictable
 
     def count_hits(self, hashes: Sequence[int], limit: int) -> tuple[int, int]:
         """Length of the cached prefix of ``hashes`` (at most ``limit`` blocks), and how many of
@@ -76,7 +91,7 @@ class BlockPool:
             ref = cached.get(h)
             if ref is None:
                 break
-            if ref == 0:
+            if ref <= 0:
                 evictable += 1
             n += 1
         return n, evictable
@@ -84,28 +99,35 @@ class BlockPool:
     # -- mutations ---------------------------------------------------------------------------
     def acquire(self, hashes: Sequence[int]) -> None:
         """Reference cached blocks (a prefix hit). Each hash must be cached."""
-        cached, evictable = self.cached, self._evictable
+        cached = self.cached
+        revived = 0
         for h in hashes:
             ref = cached[h]
-            if ref == 0:
-                del evictable[h]
-                self.referenced += 1
-            cached[h] = ref + 1
+            if ref > 0:
+                cached[h] = ref + 1
+            else:
+                cached[h] = 1
+                revived += 1
+        self.referenced += revived
+        self.evictable -= revived
 
     def allocate(self, n: int) -> bool:
         """Take ``n`` private blocks, evicting LRU cached blocks if needed. False (and no change)
         if fewer than ``n`` are available."""
         if n <= 0:
             return True
-        if n > self.free + len(self._evictable):
+        if n > self.free + self.evictable:
             return False
         short = n - self.free
         if short > 0:
-            removed = []
-            for _ in range(short):
-                h, _none = self._evictable.popitem(last=False)
-                del self.cached[h]
-                removed.append(h)
+            removed: list[int] = []
+            cached, lru_h, lru_s = self.cached, self._lru_h, self._lru_s
+            while len(removed) < short:
+                h = lru_h.popleft()
+                if cached.get(h) == -lru_s.popleft():  # else stale: referenced again (or re-queued)
+                    del cached[h]
+                    removed.append(h)
+            self.evictable -= short
             self.free += short
             self.events.append(BlockRemoved(tuple(removed)))
         self.free -= n
@@ -115,15 +137,33 @@ class BlockPool:
     def release(self, hashes: Sequence[int], private: int) -> None:
         """Drop a request's references: its cached blocks (released leaf first, so that the tail
         of a prefix is evicted before its head) and its ``private`` blocks."""
-        cached, evictable = self.cached, self._evictable
+        cached, lru_h, lru_s = self.cached, self._lru_h, self._lru_s
+        stamp = self._stamp
         for h in reversed(hashes):
             ref = cached[h] - 1
-            cached[h] = ref
-            if ref == 0:
-                evictable[h] = None
-                self.referenced -= 1
+            if ref:
+                cached[h] = ref
+            else:
+                stamp += 1
+                cached[h] = -stamp
+                lru_h.append(h)
+                lru_s.append(stamp)
+        dropped = stamp - self._stamp
+        if dropped:
+            self._stamp = stamp
+            self.referenced -= dropped
+            self.evictable += dropped
+            if len(lru_h) > 2 * len(cached) + COMPACT_SLACK:
+                self._compact()
         self.private -= private
         self.free += private
+
+    def _compact(self) -> None:
+        """Drop the stale entries of the LRU queue (keeping the order of the others)."""
+        cached = self.cached
+        live = [(h, s) for h, s in zip(self._lru_h, self._lru_s, strict=True) if cached.get(h) == -s]
+        self._lru_h = deque(h for h, _ in live)
+        self._lru_s = deque(s for _, s in live)
 
     def promote(
         self,
@@ -153,10 +193,12 @@ class BlockPool:
                 if run:
                     self._stored(run, hashes, first_block, parent, token_ids, run_start)
                     run = []
-                if ref == 0:
-                    del self._evictable[h]
+                if ref > 0:
+                    cached[h] = ref + 1
+                else:
+                    cached[h] = 1
+                    self.evictable -= 1
                     self.referenced += 1
-                cached[h] = ref + 1
                 self.free += 1
             held.append(h)
         if run:
@@ -189,7 +231,9 @@ class BlockPool:
             return False
         self.free += len(self.cached)
         self.cached.clear()
-        self._evictable.clear()
+        self.evictable = 0
+        self._lru_h.clear()
+        self._lru_s.clear()
         self.events.append(AllBlocksCleared())
         return True
 
@@ -197,6 +241,8 @@ class BlockPool:
         """Assert the pool's invariants (for tests)."""
         assert self.free >= 0 and self.private >= 0
         assert self.free + self.private + len(self.cached) == self.num_blocks
-        assert all(r >= 0 for r in self.cached.values())
+        assert all(r != 0 for r in self.cached.values())
         assert self.referenced == sum(1 for r in self.cached.values() if r > 0)
-        assert set(self._evictable) == {h for h, r in self.cached.items() if r == 0}
+        assert self.evictable == len(self.cached) - self.referenced
+        live = [h for h, s in zip(self._lru_h, self._lru_s, strict=True) if self.cached.get(h) == -s]
+        assert sorted(live) == sorted(h for h, r in self.cached.items() if r < 0)

@@ -332,3 +332,20 @@ def test_cohort_counts_block_boundaries_like_per_request_arithmetic() -> None:
             assert cohort.blocks_for(steps) == brute
         assert cohort.kv == sum(now.values())
         cohort.advance(rng.randint(1, 20))
+
+
+def test_cohort_most_steps_is_the_largest_stretch_the_free_blocks_allow() -> None:
+    from kvroute.engine.model import _Cohort, _Seq
+
+    rng = random.Random(3)
+    for bs in (1, 4, 16):
+        cohort = _Cohort(bs)
+        for i in range(rng.randint(1, 30)):
+            seq = _Seq(EngineRequest(i, 100, 10_000))
+            seq.computed = rng.randint(1, 300)
+            seq.out, seq.known, seq.nblocks, seq.adm = 1, seq.computed + 1, -(-seq.computed // bs), i
+            cohort.join(seq)
+            cohort.advance(rng.randint(0, 3))
+        for free in (0, 1, 2, 5, 17, 100, 1000):
+            k = cohort.most_steps(free)
+            assert cohort.blocks_for(k) <= free < cohort.blocks_for(k + 1)

@@ -165,6 +165,18 @@ class _Cohort:
                 total += len(bucket) * ((last - j0) // bs + 1)
         return total
 
+    def most_steps(self, free: int) -> int:
+        """The largest ``steps`` with ``blocks_for(steps) <= free``. Members cross block boundaries
+        periodically (each once per ``bs`` steps), so whole periods are skipped and the last one walked
+        in order of first crossing (members must exist)."""
+        bs, d = self.bs, self.d
+        periods, left = divmod(free, self.n)
+        for first, count in sorted((-(key + d) % bs or bs, len(b)) for key, b in self.buckets.items()):
+            if count > left:
+                return periods * bs + first  # that step's token would need one block too many
+            left -= count
+        raise AssertionError("unreachable: left < n")
+
     def remaining(self) -> int:
         """Fewest tokens any member still has to produce (members must exist)."""
         fin = self.fin
@@ -534,7 +546,9 @@ class EngineModel:
             n = sum(max(-(-(seq.computed + steps) // bs) - seq.nblocks, 0) for seq, _ in work)
             return n + cohort.blocks_for(steps) if cohort is not None else n
 
-        if blocks_for(k) > free:
+        if not work and cohort is not None:
+            k = min(k, cohort.most_steps(free))
+        elif blocks_for(k) > free:
             lo, hi = 1, k  # largest steps with blocks_for(steps) <= free; blocks_for(1) == 0
             while lo < hi:
                 mid = (lo + hi + 1) // 2

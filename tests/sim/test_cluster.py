@@ -197,7 +197,8 @@ def test_cached_routing_views_match_a_fresh_pass_per_request(
 
 
 def test_engine_version_changes_whenever_its_stats_do() -> None:
-    """The staleness test behind the cached views: equal ``version`` implies equal ``stats()``."""
+    """The staleness test behind the cached views: equal ``version`` implies equal ``stats()``; and
+    ``load()`` is the part of ``stats()`` the router copies."""
     profile = get_profile()
     cfg = SimConfig(instances=2, policy="lmetric", kv_capacity_tokens=20_000)
     sim = ClusterSim(cfg, make_policy("lmetric"), profile.cost)
@@ -209,6 +210,15 @@ def test_engine_version_changes_whenever_its_stats_do() -> None:
         for k, inst in enumerate(self._insts):
             stats = inst.engine.stats()
             assert seen.setdefault((k, inst.engine.version), stats) == stats
+            s = stats
+            assert inst.engine.load() == (
+                s.running,
+                s.waiting,
+                s.queued_prefill_tokens,
+                s.kv_usage,
+                s.num_kv_blocks,
+                s.used_blocks,
+            )
 
     sim._after_engine = spy.__get__(sim)  # type: ignore[method-assign]
     sim.run(burst(30, prompt=2048, out=50))

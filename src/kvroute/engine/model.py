@@ -341,6 +341,20 @@ class EngineModel:
             preemptions=self._preemptions,
         )
 
+    def load(self) -> tuple[int, int, int, float, int, int]:
+        """What a router copies of ``stats()``, cheaply: (running, waiting, queued_prefill_tokens,
+        kv_usage, num_kv_blocks, used_blocks)."""
+        pool = self.pool
+        used = pool.private + pool.referenced
+        return (
+            len(self._running),
+            len(self._waiting),
+            self._queued_prefill,
+            used / pool.num_blocks,
+            pool.num_blocks,
+            used,
+        )
+
     @property
     def idle(self) -> bool:
         return self._step is None and not self._waiting and not self._running
@@ -547,7 +561,8 @@ class EngineModel:
             return n + cohort.blocks_for(steps) if cohort is not None else n
 
         if not work and cohort is not None:
-            k = min(k, cohort.most_steps(free))
+            if cohort.n * ((k + bs - 2) // bs) > free:  # else even every member crossing fits
+                k = min(k, cohort.most_steps(free))
         elif blocks_for(k) > free:
             lo, hi = 1, k  # largest steps with blocks_for(steps) <= free; blocks_for(1) == 0
             while lo < hi:

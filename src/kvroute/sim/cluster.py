@@ -32,7 +32,6 @@ from kvroute.engine.types import (
     CostModel,
     EngineConfig,
     EngineRequest,
-    EngineStats,
     KVEvent,
     OutputKind,
 )
@@ -96,7 +95,7 @@ class _Inst:
     """The router's per-instance state and the engine behind it."""
 
     engine: EngineModel
-    snap: EngineStats
+    snap: tuple[int, int, int, float, int, int]  # the engine's load() when copied
     snap_time: float
     snap_version: int = -1  # the engine's ``version`` when ``snap`` was copied
     opt: dict[int, int] = field(default_factory=dict)  # req_id -> new prefill tokens (optimistic)
@@ -164,9 +163,7 @@ class ClusterSim:
         for k in range(cfg.instances):
             eng = EngineModel(ecfg, self.cost)
             spot = k >= cfg.instances - cfg.spot_instances
-            self._insts.append(
-                _Inst(eng, eng.stats(), 0.0, tags=frozenset({"spot"}) if spot else frozenset())
-            )
+            self._insts.append(_Inst(eng, eng.load(), 0.0, tags=frozenset({"spot"}) if spot else frozenset()))
         self._index = PrefixIndex() if cfg.kv_view == "exact" else ApproxPrefixIndex(blocks)
         self._ecfg = ecfg
         for t, n in cfg.scale_out:
@@ -228,7 +225,7 @@ class ClusterSim:
         now = self.loop.now
         for _ in range(n):
             eng = EngineModel(self._ecfg, self.cost)
-            self._insts.append(_Inst(eng, eng.stats(), now))
+            self._insts.append(_Inst(eng, eng.load(), now))
             self._reset_instance(len(self._insts) - 1, now)
 
     def _reset_instance(self, i: int, now: float) -> None:
@@ -278,7 +275,7 @@ class ClusterSim:
         if now - inst.snap_time >= interval or interval == 0:
             eng = inst.engine
             if eng.version != inst.snap_version:  # else the copy would be the same
-                inst.snap = eng.stats()
+                inst.snap = eng.load()
                 inst.snap_version = eng.version
                 inst.view = None
             inst.snap_time = now
@@ -288,15 +285,15 @@ class ClusterSim:
                 inst.view = None
         view = inst.view
         if view is None:
-            s = inst.snap
+            running, waiting, queued, kv_usage, blocks, used = inst.snap
             view = InstanceView(
                 index=i,
-                running=s.running,
-                waiting=s.waiting + len(inst.opt),
-                queued_prefill_tokens=s.queued_prefill_tokens + inst.opt_tokens,
-                kv_usage=s.kv_usage,
-                kv_capacity_blocks=s.num_kv_blocks,
-                decode_blocks=s.used_blocks,
+                running=running,
+                waiting=waiting + len(inst.opt),
+                queued_prefill_tokens=queued + inst.opt_tokens,
+                kv_usage=kv_usage,
+                kv_capacity_blocks=blocks,
+                decode_blocks=used,
                 tags=inst.tags,
             )
             inst.view = view
@@ -309,7 +306,7 @@ class ClusterSim:
         bs = self._block_size
         matched = self._index.match(req.block_ids, len(insts))
         prompt = req.prompt_len
-        cached = tuple(min(m * bs, prompt) for m in matched)
+        cached = tuple([m * bs if m * bs < prompt else prompt for m in matched])
         guard = self.guard
         key = 0
         if guard is not None:

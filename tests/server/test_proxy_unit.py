@@ -273,7 +273,7 @@ async def test_deferred_tokenization_corrects_view_and_counters_in_flight(tokeni
     chain = hash_blocks(ids, 16)
     gate = asyncio.Event()
     t = FakeTransport({A: [Scripted(gate=gate)]})
-    server = await start(t, tokenizer, A)
+    server = await start(t, tokenizer, A, tokenize="defer")
     assert server.core.defer_tokenize
     try:
         req = asyncio.create_task(post(server.url, {**BODY, "prompt": prompt}))

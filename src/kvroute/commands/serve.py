@@ -62,8 +62,8 @@ def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> N
     p.add_argument(
         "--tokenize",
         choices=("defer", "exact"),
-        help="defer (default): route on the known token blocks and tokenize new text on the way; "
-        "exact: tokenize everything before routing (several router replicas with KV events)",
+        help="exact (default): tokenize the whole prompt before routing; defer: route long new text "
+        "on the known token blocks plus an estimate, tokenize it once the request is sent",
     )
     p.add_argument("--block-size", type=int, help="KV block size in tokens (default 16)")
     p.add_argument("--max-body-bytes", type=int, help="largest request body (default 32 MiB)")

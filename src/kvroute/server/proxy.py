@@ -71,8 +71,8 @@ DEFER_CHARS = 1024
 tokenized before is routed before that text is tokenized (see ``RouterConfig.tokenize``)."""
 
 OFFLOAD_CHARS = 8192
-"""With ``tokenize: exact``: at least this many characters to tokenize (~2,000 tokens, a couple of
-ms) are tokenized off the event loop. Less is cheaper than the thread hand-off."""
+"""At least this many characters to tokenize (~2,000 tokens) are tokenized off the event loop, on
+the worker thread (HF tokenizers and tiktoken release the GIL); less is cheaper than the hand-off."""
 
 
 class _Tail:
@@ -93,8 +93,21 @@ class _Tail:
         self.lease: Lease | None = None  # the attempt in progress
 
     def start(self, pool: ThreadPoolExecutor, pending: Pending, salt: str | None) -> None:
-        fut = asyncio.get_running_loop().run_in_executor(pool, self._work, pending, salt)
-        fut.add_done_callback(self._done)
+        """Tokenize the rest on the event loop right after this request's upstream write (the
+        callback runs once the handler awaits the response head), or on the worker thread when it
+        is long (``OFFLOAD_CHARS``)."""
+        loop = asyncio.get_running_loop()
+        if pending.tail_chars >= OFFLOAD_CHARS:
+            fut = loop.run_in_executor(pool, self._work, pending, salt)
+            fut.add_done_callback(self._done)
+        else:
+            loop.call_soon(self._inline, pending, salt)
+
+    def _inline(self, pending: Pending, salt: str | None) -> None:
+        try:
+            self._finish(*self._work(pending, salt))
+        except Exception as exc:  # the request already went out on the estimate; only the view misses it
+            log.warning("tokenizing a routed request's new text failed: %r", exc)
 
     def _work(self, pending: Pending, salt: str | None) -> tuple[int, tuple[int, ...]]:
         ids = self.core.tokenizer.finish(pending)
@@ -107,7 +120,10 @@ class _Tail:
         if exc is not None:  # the request already went out on the estimate; only the view misses it
             log.warning("tokenizing a routed request's new text failed: %r", exc)
             return
-        self.n_tokens, self.chain = fut.result()
+        self._finish(*fut.result())
+
+    def _finish(self, n_tokens: int, chain: tuple[int, ...]) -> None:
+        self.n_tokens, self.chain = n_tokens, chain
         now = self.core.clock()
         for idx in self.routed:
             self.core.kv.on_routed(idx, self.chain, now)

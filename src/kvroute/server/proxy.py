@@ -19,14 +19,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 from aiohttp import web
 
-from kvroute.blocks import hash_blocks
 from kvroute.server.backends import BackendState, Lease
+from kvroute.server.chainmemo import Piece
 from kvroute.server.router import Plan, QuotaExceeded, RouterCore
 from kvroute.server.tokenize import Pending
 from kvroute.server.transport import Transport, UpstreamBrokenError, UpstreamConnectError, UpstreamResponse
@@ -95,35 +95,36 @@ class _Tail:
     def start(self, pool: ThreadPoolExecutor, pending: Pending, salt: str | None) -> None:
         """Tokenize the rest on the event loop right after this request's upstream write (the
         callback runs once the handler awaits the response head), or on the worker thread when it
-        is long (``OFFLOAD_CHARS``)."""
+        is long (``OFFLOAD_CHARS``); the chain is then computed on the loop."""
         loop = asyncio.get_running_loop()
+        tokenizer = self.core.tokenizer
         if pending.tail_chars >= OFFLOAD_CHARS:
-            fut = loop.run_in_executor(pool, self._work, pending, salt)
-            fut.add_done_callback(self._done)
+            fut = loop.run_in_executor(pool, tokenizer.finish_pieces, pending)
+            fut.add_done_callback(lambda f: self._done(f, pending.suffix, salt))
         else:
             loop.call_soon(self._inline, pending, salt)
 
     def _inline(self, pending: Pending, salt: str | None) -> None:
         try:
-            self._finish(*self._work(pending, salt))
+            pieces = self.core.tokenizer.finish_pieces(pending)
+            self._finish(*self.core.hashed(pieces, pending.suffix, salt))
         except Exception as exc:  # the request already went out on the estimate; only the view misses it
             log.warning("tokenizing a routed request's new text failed: %r", exc)
 
-    def _work(self, pending: Pending, salt: str | None) -> tuple[int, tuple[int, ...]]:
-        ids = self.core.tokenizer.finish(pending)
-        return len(ids), tuple(hash_blocks(ids, self.core.config.block_size, extra_key=salt))
-
-    def _done(self, fut: asyncio.Future[tuple[int, tuple[int, ...]]]) -> None:
+    def _done(self, fut: asyncio.Future[list[Piece]], suffix: Sequence[int], salt: str | None) -> None:
         if fut.cancelled():
             return
         exc = fut.exception()
-        if exc is not None:  # the request already went out on the estimate; only the view misses it
-            log.warning("tokenizing a routed request's new text failed: %r", exc)
-            return
-        self._finish(*fut.result())
+        if exc is None:
+            try:
+                self._finish(*self.core.hashed(fut.result(), suffix, salt))
+                return
+            except Exception as err:
+                exc = err
+        log.warning("tokenizing a routed request's new text failed: %r", exc)
 
-    def _finish(self, n_tokens: int, chain: tuple[int, ...]) -> None:
-        self.n_tokens, self.chain = n_tokens, chain
+    def _finish(self, ids: list[int], chain: tuple[int, ...]) -> None:
+        self.n_tokens, self.chain = len(ids), chain
         now = self.core.clock()
         for idx in self.routed:
             self.core.kv.on_routed(idx, self.chain, now)
@@ -193,10 +194,15 @@ class Proxy:
                 tail.start(self._tokenize_pool, pending, parsed.cache_salt)
             elif pending.tail_chars >= OFFLOAD_CHARS:
                 loop = asyncio.get_running_loop()
-                ids = await loop.run_in_executor(self._tokenize_pool, core.tokenizer.finish, pending)
-                plan = core.plan(parsed, ids, request.headers)
+                pieces = await loop.run_in_executor(
+                    self._tokenize_pool, core.tokenizer.finish_pieces, pending
+                )
+                ids, chain = core.hashed(pieces, pending.suffix, parsed.cache_salt)
+                plan = core.plan(parsed, ids, request.headers, hashes=chain)
             else:
-                plan = core.plan(parsed, core.tokenizer.finish(pending), request.headers)
+                pieces = core.tokenizer.finish_pieces(pending)
+                ids, chain = core.hashed(pieces, pending.suffix, parsed.cache_salt)
+                plan = core.plan(parsed, ids, request.headers, hashes=chain)
             self.route_seconds_sum += time.perf_counter() - t0
             self.route_count += 1
         except ApiError as err:

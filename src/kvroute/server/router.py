@@ -20,6 +20,7 @@ from kvroute.features.coldstart import Prefix
 from kvroute.policies.base import Policy
 from kvroute.policies.guarded import Guarded
 from kvroute.server.backends import BackendState
+from kvroute.server.chainmemo import ChainMemo, Piece
 from kvroute.server.config import RouterConfig
 from kvroute.server.kvview import KVView
 from kvroute.server.tokenize import Pending, RequestTokenizer
@@ -93,6 +94,7 @@ class RouterCore:
             exact_backends=frozenset(i for i, b in enumerate(config.backends) if b.kv_events),
         )
         self.counters = RouterCounters()
+        self.chains = ChainMemo(config.block_size, config.tokenizer_cache_entries)
         # Production features (kvroute.features): the policy wrapped when any is configured.
         feats = config.features
         self.guard = Guarded(policy, feats) if feats is not None and feats.any else None
@@ -121,28 +123,47 @@ class RouterCore:
         """The prompt's token ids (400 for content the tokenizer rejects)."""
         return self.tokenizer.finish(self.split(req))
 
+    def hashed(
+        self, pieces: Sequence[Piece], suffix: Sequence[int], salt: str | None
+    ) -> tuple[list[int], tuple[int, ...]]:
+        """The prompt's token ids and block chain from its pieces (see :mod:`.chainmemo`); 400 for
+        token ids outside [0, 2**32)."""
+        ids: list[int] = []
+        for _, part in pieces:
+            ids.extend(part)
+        ids.extend(suffix)
+        try:
+            return ids, tuple(self.chains.chain(pieces, suffix, salt))
+        except ValueError as exc:
+            raise ApiError(400, f"invalid token ids: {exc}", "prompt") from None
+
     def plan(
         self,
         req: ParsedRequest,
         ids: Sequence[int] | None = None,
         headers: Mapping[str, str] | None = None,
         tail_tokens: int = 0,
+        hashes: Sequence[int] | None = None,
     ) -> Plan:
         """Route ``req`` (``ids``: its token ids when already computed, e.g. on a worker thread, or
         only their known leading part, followed by about ``tail_tokens`` more: then the chain covers
         the known part and the prompt length is estimated; ``headers``: the client's, for the class
         header and the API key). Raises ApiError(503) when no backend is healthy, 400 for
-        untokenizable input or an unknown request class, QuotaExceeded (429) over quota."""
+        untokenizable input or an unknown request class, QuotaExceeded (429) over quota. ``hashes``: the
+        block hashes of ``ids`` when already computed (:meth:`hashed`)."""
         candidates = [b for b in self.backends if b.healthy]
         if not candidates:
             raise ApiError(503, "no healthy backend", etype="service_unavailable")
         if ids is None:
             ids = self.tokens(req)
         bs = self.config.block_size
-        try:
-            chain = tuple(hash_blocks(ids, bs, extra_key=req.cache_salt))
-        except ValueError as exc:
-            raise ApiError(400, f"invalid token ids: {exc}", "prompt") from None
+        if hashes is not None:
+            chain = tuple(hashes)
+        else:
+            try:
+                chain = tuple(hash_blocks(ids, bs, extra_key=req.cache_salt))
+            except ValueError as exc:
+                raise ApiError(400, f"invalid token ids: {exc}", "prompt") from None
         now = self.clock()
         n_prompt = len(ids) + tail_tokens
         matched = self.kv.match(chain, now)

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvroute.server.chainmemo import Piece
 from kvroute.tokenizer import Tokenizer, message_text, render_message
 
 __all__ = ["SEGMENT_CHARS", "Pending", "RequestTokenizer", "split_points"]
@@ -62,12 +63,14 @@ class Pending:
     """A request split at its first uncached piece (see the module docstring).
 
     - ``known``: token ids of the leading pieces found in the cache (or the ids the client sent);
+    - ``known_pieces``: those pieces, as ``(cache key, ids)`` (key None: the client's ids);
     - ``keys``/``texts``: the pieces after them, in order: cache key (None: not cached) and text;
     - ``suffix``: ids that always follow them (the chat generation prompt);
     - ``tail_chars``: characters in ``texts`` (what is left to tokenize).
     """
 
     known: list[int]
+    known_pieces: list[Piece] = field(default_factory=list)
     keys: list[tuple[str, str] | None] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     suffix: tuple[int, ...] = ()
@@ -105,7 +108,7 @@ class RequestTokenizer:
         tok = self.tokenizer
         if not tok.per_message_exact:  # the whole rendering is one uncached piece
             text = tok.render_chat(messages, add_generation_prompt)
-            return Pending([], [None], [text], (), len(text))
+            return Pending([], [], [None], [text], (), len(text))
         keys: list[tuple[str, str] | None] = [(m["role"], message_text(m.get("content"))) for m in messages]
         texts = [render_message(role, content) for role, content in keys]  # type: ignore[misc]
         suffix = tuple(tok.generation_prompt_tokens()) if add_generation_prompt else ()
@@ -115,9 +118,10 @@ class RequestTokenizer:
         """Split a completion prompt: a string into segments (see the module docstring); token ids
         are all known."""
         if not isinstance(prompt, str):
-            return Pending(list(prompt))
+            ids = list(prompt)
+            return Pending(ids, [(None, ids)])
         if len(prompt) < 2 * SEGMENT_CHARS or not self._max:
-            return Pending([], [None], [prompt], (), len(prompt))
+            return Pending([], [], [None], [prompt], (), len(prompt))
         texts = []
         start = 0
         for end in split_points(prompt):
@@ -130,6 +134,7 @@ class RequestTokenizer:
         self, keys: list[tuple[str, str] | None], texts: list[str], suffix: tuple[int, ...]
     ) -> Pending:
         known: list[int] = []
+        pieces: list[Piece] = []
         cache = self._cache
         n = 0
         with self._lock:
@@ -140,14 +145,24 @@ class RequestTokenizer:
                     break
                 cache.move_to_end(key)
                 known.extend(ids)
+                pieces.append((key, ids))
                 n += 1
             self.hits += n
         rest = texts[n:]
-        return Pending(known, keys[n:], rest, suffix, sum(map(len, rest)))
+        return Pending(known, pieces, keys[n:], rest, suffix, sum(map(len, rest)))
 
     def finish(self, pending: Pending) -> list[int]:
         """The whole prompt's token ids: ``pending.known``, its pieces tokenized (cached ones from the
         cache, the others in one batch call, then cached), ``pending.suffix``."""
+        ids_out = list(pending.known)
+        for _, part in self.finish_pieces(pending)[len(pending.known_pieces) :]:
+            ids_out.extend(part)
+        ids_out.extend(pending.suffix)
+        return ids_out
+
+    def finish_pieces(self, pending: Pending) -> list[Piece]:
+        """Every piece of the prompt as ``(cache key, ids)``, the known ones first (the suffix,
+        ``pending.suffix``, is not a piece)."""
         keys, texts = pending.keys, pending.texts
         found: list[tuple[int, ...] | None] = [None] * len(keys)
         cache = self._cache
@@ -176,12 +191,11 @@ class RequestTokenizer:
                     cache.popitem(last=False)
                 self._chars += chars
                 self._tokens += tokens
-        ids_out = list(pending.known)
-        for part in found:
+        out = list(pending.known_pieces)
+        for key, part in zip(keys, found, strict=True):
             assert part is not None
-            ids_out.extend(part)
-        ids_out.extend(pending.suffix)
-        return ids_out
+            out.append((key, part))
+        return out
 
     def estimate_tail(self, pending: Pending) -> int:
         """Estimated token count of what ``pending`` has left (its texts and suffix), from the

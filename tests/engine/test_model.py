@@ -307,10 +307,13 @@ def test_decode_cohort_gives_exactly_the_per_request_result(
 
 def test_cohort_counts_block_boundaries_like_per_request_arithmetic() -> None:
     """``_Cohort.needing_block`` and ``blocks_for`` against counting each member's boundaries."""
+    for bs in (1, 4, 16, 512):
+        _check_cohort_counts(random.Random(bs), bs)
+
+
+def _check_cohort_counts(rng: random.Random, bs: int) -> None:
     from kvroute.engine.model import _Cohort, _Seq
 
-    rng = random.Random(7)
-    bs = 16
     cohort = _Cohort(bs)
     members: list[_Seq] = []
     for i in range(40):
@@ -326,12 +329,14 @@ def test_cohort_counts_block_boundaries_like_per_request_arithmetic() -> None:
     for _ in range(50):
         now = {s: s.computed + cohort.d - s.d0 for s in members}
         assert set(cohort.needing_block()) == {s for s, c in now.items() if c % bs == 0}
-        for steps in (1, 2, 3, 17, 40, 333):
+        for steps in (1, 2, 3, 17, 40, 333, 1500):
             # blocks for tokens c+2..c+steps beyond ceil((c+1)/bs), the first step's allocation
             brute = sum(-(-(c + steps) // bs) - -(-(c + 1) // bs) for c in now.values())
             assert cohort.blocks_for(steps) == brute
         assert cohort.kv == sum(now.values())
         cohort.advance(rng.randint(1, 20))
+        if rng.random() < 0.2:  # a member leaves (abort): the counts follow
+            cohort.leave(members.pop(rng.randrange(len(members))), 0)
 
 
 def test_cohort_most_steps_is_the_largest_stretch_the_free_blocks_allow() -> None:

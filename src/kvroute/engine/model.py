@@ -105,7 +105,7 @@ class _Cohort:
     ``d`` at which a member produces its last token, its admission number, the member), with
     entries of members that left by abort skipped lazily."""
 
-    __slots__ = ("bs", "buckets", "d", "fin", "kv", "n")
+    __slots__ = ("bs", "buckets", "counts", "d", "fin", "kv", "n")
 
     def __init__(self, block_size: int) -> None:
         self.bs = block_size
@@ -113,6 +113,7 @@ class _Cohort:
         self.n = 0
         self.kv = 0
         self.buckets: dict[int, set[_Seq]] = {}
+        self.counts = [0] * block_size  # len(buckets[key]) by key
         self.fin: list[tuple[int, int, _Seq]] = []
 
     def join(self, seq: _Seq) -> None:
@@ -126,6 +127,7 @@ class _Cohort:
         if bucket is None:
             bucket = self.buckets[key] = set()
         bucket.add(seq)
+        self.counts[key] += 1
         self.n += 1
         self.kv += seq.computed
         heapq.heappush(self.fin, (d + seq.req.output_len - seq.out, seq.adm, seq))
@@ -146,6 +148,7 @@ class _Cohort:
         bucket.discard(seq)
         if not bucket:
             del self.buckets[seq.key]
+        self.counts[seq.key] -= 1
         self.n -= 1
         self.kv -= c
 
@@ -156,13 +159,18 @@ class _Cohort:
     def blocks_for(self, steps: int) -> int:
         """Blocks the members need for steps 2..``steps`` of a stretch starting now (the first
         step's blocks are allocated when it is scheduled)."""
-        bs, d = self.bs, self.d
-        last = steps - 1
-        total = 0
-        for key, bucket in self.buckets.items():
-            j0 = -(key + d) % bs or bs  # first later step whose token starts a new block
-            if j0 <= last:
-                total += len(bucket) * ((last - j0) // bs + 1)
+        bs = self.bs
+        if steps < 2:
+            return 0
+        # each member crosses a block boundary once per period of bs steps; those whose first
+        # crossing (step (-(key + d)) % bs, or bs) is among the first r steps of the last, partial
+        # period cross once more: the keys (-d - r) % bs … (-d - 1) % bs
+        periods, r = divmod(steps - 1, bs)
+        total = self.n * periods
+        if r:
+            c, d = self.counts, self.d
+            lo, hi = (-d - r) % bs, (-d - 1) % bs
+            total += sum(c[lo : hi + 1]) if lo <= hi else sum(c[lo:]) + sum(c[: hi + 1])
         return total
 
     def most_steps(self, free: int) -> int:
@@ -372,6 +380,7 @@ class EngineModel:
             assert not members
             return
         assert cohort.n == len(members) == sum(len(b) for b in cohort.buckets.values())
+        assert cohort.counts == [len(cohort.buckets.get(k, ())) for k in range(cohort.bs)]
         assert cohort.kv == sum(s.computed + cohort.d - s.d0 for s in members)
         bs = cohort.bs
         for s in members:

@@ -153,3 +153,14 @@ def test_rejects_bad_parameters() -> None:
     with pytest.raises(ValueError):
         BlockHasher(0)
     assert hash_blocks([], 16) == [] and hash_blocks([1] * 15) == []
+
+
+@pytest.mark.parametrize("n", [4095, 4096, 4097, 5000])
+def test_long_chains_beyond_the_power_table(n: int) -> None:
+    """Chains longer than the precomputed powers of B equal the same chain hashed in short pieces."""
+    tokens = [(i * 7919) % 151_000 for i in range(n)]
+    whole = hash_blocks(tokens, 1)
+    pieces: list[int] = []
+    for start in range(0, n, 300):
+        pieces += hash_blocks(tokens[start : start + 300], 1, parent=pieces[-1] if pieces else None)
+    assert whole == pieces and len(whole) == n

@@ -56,6 +56,11 @@ ROOT_HASH = 0x1D8E4E27C47D124F & _MASK63
 
 _U64 = np.uint64
 _SH32 = _U64(32)
+_POW_BLOCKS = 4096  # powers of B precomputed for chains up to this many blocks (64 KiB, read-only)
+_B_POW = np.cumprod(np.full(_POW_BLOCKS + 1, _B, dtype=np.uint64))  # B^1 .. B^(n+1)
+_B_INV_POW = np.cumprod(np.full(_POW_BLOCKS, _B_INV, dtype=np.uint64))  # B^-1 .. B^-n
+_B_POW.flags.writeable = False
+_B_INV_POW.flags.writeable = False
 _SH33 = _U64(33)
 _NP_C1 = _U64(_C1)
 _NP_C2 = _U64(_C2)
@@ -137,8 +142,11 @@ def _chain(
     c = x.sum(axis=1, dtype=np.uint64)  # wraps mod 2**64
     _fmix64_inplace(c, np.empty_like(c))
     # h_b = B^(b+1)·parent + Σ_{j<=b} c_j·B^(b-j) = B^(b+1)·parent + B^b · Σ_{j<=b} c_j·B^(-j)  (mod 2**64)
-    b_pow = np.cumprod(np.full(n_blocks + 1, _B, dtype=np.uint64))  # B^1 .. B^(n+1)
-    inv_pow = np.cumprod(np.full(n_blocks, _B_INV, dtype=np.uint64))  # B^-1 .. B^-n
+    if n_blocks <= _POW_BLOCKS:
+        b_pow, inv_pow = _B_POW[: n_blocks + 1], _B_INV_POW[:n_blocks]
+    else:
+        b_pow = np.cumprod(np.full(n_blocks + 1, _B, dtype=np.uint64))  # B^1 .. B^(n+1)
+        inv_pow = np.cumprod(np.full(n_blocks, _B_INV, dtype=np.uint64))  # B^-1 .. B^-n
     np.multiply(c[1:], inv_pow[:-1], out=c[1:])
     np.cumsum(c, out=c)
     np.multiply(c[1:], b_pow[:-2], out=c[1:])

@@ -88,6 +88,7 @@ def test_pool_matches_the_reference_lru(seed: int, blocks: int, slack: int) -> N
 def _run(rng: random.Random, blocks: int) -> None:
     pool, ref = BlockPool(blocks, 4), RefPool(blocks)
     chains = [[c * 100 + i for i in range(rng.randint(1, 12))] for c in range(6)]
+    chains.append([900, 901, 900, 902, 901])  # a chain repeating hashes (malformed trace ids)
     held: list[tuple[list[int], int]] = []  # (cached hashes, private blocks) per live request
     for _ in range(300):
         op = rng.random()

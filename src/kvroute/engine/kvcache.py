@@ -220,6 +220,17 @@ class BlockPool:
         duplicate freed. Appends every hash to ``held``; records one ``BlockStored`` per
         contiguous run of newly cached blocks."""
         cached = self.cached
+        self.private -= len(hashes)
+        if cached.keys().isdisjoint(hashes):  # all new (the common case): one run, in C
+            before = len(cached)
+            cached.update(zip(hashes, repeat(1)))
+            if len(cached) - before == len(hashes):  # no hash repeated within ``hashes``
+                self.referenced += len(hashes)
+                held.extend(hashes)
+                self._stored(list(hashes), hashes, first_block, parent, token_ids, first_block)
+                return
+            for h in hashes:  # a repeat: undo, and take the general path below
+                cached.pop(h, None)
         run: list[int] = []
         run_start = first_block
         for i, h in enumerate(hashes):
@@ -244,7 +255,6 @@ class BlockPool:
             held.append(h)
         if run:
             self._stored(run, hashes, first_block, parent, token_ids, run_start)
-        self.private -= len(hashes)
 
     def _stored(
         self,

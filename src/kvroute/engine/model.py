@@ -563,9 +563,11 @@ class EngineModel:
         cohort = self._cohort if step.cohort else None
         if cohort is not None and not cohort.n:
             cohort = None
-        k = min((seq.req.output_len - seq.out for seq, _ in work), default=1 << 62)
+        k = min([seq.req.output_len - seq.out for seq, _ in work]) if work else 1 << 62
         if cohort is not None:
-            k = min(k, cohort.remaining())
+            r = cohort.remaining()
+            if r < k:
+                k = r
         if k < 2:
             return
         free = self.pool.free

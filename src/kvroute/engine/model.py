@@ -168,9 +168,15 @@ class _Cohort:
         periods, r = divmod(steps - 1, bs)
         total = self.n * periods
         if r:
-            c, d = self.counts, self.d
-            lo, hi = (-d - r) % bs, (-d - 1) % bs
-            total += sum(c[lo : hi + 1]) if lo <= hi else sum(c[lo:]) + sum(c[: hi + 1])
+            d = self.d
+            if 4 * len(self.buckets) < r:  # few keys (large blocks, small batch): look at each
+                for key, bucket in self.buckets.items():
+                    if 0 < -(key + d) % bs <= r:  # first crossing within r (0 means at bs > r)
+                        total += len(bucket)
+            else:
+                c = self.counts
+                lo, hi = (-d - r) % bs, (-d - 1) % bs
+                total += sum(c[lo : hi + 1]) if lo <= hi else sum(c[lo:]) + sum(c[: hi + 1])
         return total
 
     def most_steps(self, free: int) -> int:

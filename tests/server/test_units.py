@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -357,3 +358,37 @@ def test_tail_estimate_is_close_for_english_text(tokenizer: object) -> None:
     assert pending.known == []
     true = len(rt.tokenizer.encode(text))
     assert 0.8 * true <= rt.estimate_tail(pending) <= 1.25 * true
+
+
+async def test_subscriber_drains_a_burst_in_order() -> None:
+    """Batches queued while the router was busy are all applied, in order, without gaps; a
+    malformed message in the burst is counted and skipped."""
+    kv = KVView(1, 16, capacity_blocks=1000, ttl_s=None, recovery_s=5.0, exact_backends=[0])
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sub = EventSubscriber(ctx, 0, f"tcp://127.0.0.1:{port}", None, kv, clock=lambda: 1.0)
+    task = asyncio.create_task(sub.run())
+    try:
+        toks = tokens(16 * 40)
+        await asyncio.sleep(0.3)  # the SUB connects
+        parent = None
+        for seq in range(40):
+            if seq == 20:
+                await pub.send_multipart([b"only-one-frame"])
+            await pub.send_multipart(
+                [b"kv", encode_seq(seq), batch([stored([seq + 1], parent, toks[16 * seq : 16 * seq + 16])])]
+            )
+            parent = seq + 1
+        for _ in range(200):
+            if sub.batches == 40:
+                break
+            await asyncio.sleep(0.01)
+        assert (sub.batches, sub.gaps, sub.resets, sub.bad, sub.last_seq) == (40, 0, 0, 1, 39)
+        assert kv.match(hash_blocks(toks, 16), 1.0) == [40]
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        pub.close(0)
+        ctx.term()

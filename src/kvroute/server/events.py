@@ -29,6 +29,15 @@ __all__ = ["EventSubscriber"]
 log = logging.getLogger("kvroute.server.events")
 
 
+def _recv_now(sock: zmq.asyncio.Socket) -> list[bytes]:
+    """One queued multipart message, received synchronously (the base class's methods bypass the
+    asyncio socket's futures); raises ``zmq.Again`` when none is queued."""
+    frames = [zmq.Socket.recv(sock, zmq.NOBLOCK)]
+    while zmq.Socket.getsockopt(sock, zmq.RCVMORE):
+        frames.append(zmq.Socket.recv(sock))
+    return frames
+
+
 class EventSubscriber:
     """Feeds ``kv`` from ``endpoint`` for backend ``backend``. Counters: ``batches``, ``gaps``,
     ``replayed``, ``resets``, ``bad``. Run with :meth:`run` as a task; cancel it to stop."""
@@ -65,10 +74,15 @@ class EventSubscriber:
         try:
             while True:
                 frames = await sock.recv_multipart()
-                if len(frames) < 2:
-                    self.bad += 1
-                    continue
-                await self.handle(frames[-2], frames[-1])
+                while True:
+                    if len(frames) < 2:
+                        self.bad += 1
+                    else:
+                        await self.handle(frames[-2], frames[-1])
+                    try:  # drain what is already queued (bursts under load) without a loop round trip
+                        frames = _recv_now(sock)
+                    except zmq.Again:
+                        break
         finally:
             sock.close(0)
 

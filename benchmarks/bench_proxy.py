@@ -16,7 +16,9 @@ cut to ``OUTPUT_TOKENS`` tokens so that the run measures the proxies, not token 
 2. **Capacity**: offered rates from ``RATES`` (req/s, constant spacing, ``STEP_S`` seconds each) until
    a step fails; a step is sustained when every request finishes and the last one finishes within
    ``DRAIN_S`` seconds after the last arrival. Reported: the highest sustained rate.
-3. **Router CPU per request**: the router process's user+system CPU time (``/proc/PID/stat``) during
+3. **Routing stages**: each kvroute router's mean wall time per request in parse, split, tokenize,
+   hash and plan (its ``kvroute_routing_stage_seconds`` on /metrics), over both phases.
+4. **Router CPU per request**: the router process's user+system CPU time (``/proc/PID/stat``) during
    its own phases (latency and capacity) / requests it served there, milliseconds. Background work
    (health checks, /metrics scrapes, KV events of *all* engine traffic) is included; the idle CPU of
    each router (ms per second, no traffic at all) is reported separately.
@@ -222,6 +224,8 @@ async def _measure() -> dict[str, Any]:
                 served[name] += sum(st["requests"] for st in steps)
         for name in procs:
             out["paths"][name]["router_cpu_ms_per_request"] = 1000.0 * cpu[name] / max(served[name], 1)
+            if name.startswith("kvroute"):
+                out["paths"][name]["routing_stage_us_mean"] = await _stage_means(urls[name])
         direct = out["paths"]["direct"]["latency"]["ttft_ms"]
         for name in procs:
             lat = out["paths"][name]["latency"]["ttft_ms"]
@@ -232,6 +236,20 @@ async def _measure() -> dict[str, Any]:
         for p in procs.values():
             _stop(p)
         cluster.stop()
+
+
+async def _stage_means(url: str) -> dict[str, float]:
+    """Mean wall time per routed request of each routing stage, from the router's /metrics (µs)."""
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    stages: dict[str, float] = {}
+    routed = 0.0
+    for line in text.splitlines():
+        if line.startswith("kvroute_routing_stage_seconds_total{"):
+            stages[line.split('"')[1]] = float(line.split()[-1])
+        elif line.startswith("kvroute_routed_total "):
+            routed = float(line.split()[-1])
+    return {k: 1e6 * v / max(routed, 1.0) for k, v in stages.items()}
 
 
 def _has_module(name: str) -> bool:
@@ -293,6 +311,10 @@ def main() -> int:
             f"{p['max_sustained_rps']:.0f} | {'-' if cpu is None else f'{cpu:.2f}'} | "
             f"{'-' if idle is None else f'{idle:.0f}'} |"
         )
+    for name, p in paths.items():
+        if "routing_stage_us_mean" in p:
+            stages = ", ".join(f"{k} {v:.0f}" for k, v in p["routing_stage_us_mean"].items())
+            print(f"{name}: routing stages, mean µs per request over both phases: {stages}")
     print(
         f"\ntargets: added TTFT p50 <= {TARGET_ADDED_P50_MS} ms and <= sglang-router's; "
         f">= {TARGET_RPS:.0f} streamed req/s -> {out['meets']}"

@@ -227,6 +227,19 @@ async def test_health_and_metrics_endpoints(tokenizer: Tokenizer) -> None:
                 text = await r.text()
             assert 'kvroute_requests_total{outcome="ok"} 1.0' in text
             assert f'kvroute_backend_waiting{{backend="{A}"}} 0.0' in text
+            stages = {
+                line.split('"')[1]: float(line.split()[-1])
+                for line in text.splitlines()
+                if line.startswith("kvroute_routing_stage_seconds_total{")
+            }
+            total = next(
+                float(line.split()[-1])
+                for line in text.splitlines()
+                if line.startswith("kvroute_routing_seconds_total ")
+            )
+            assert set(stages) == {"parse", "split", "tokenize", "hash", "plan"}
+            assert all(v > 0 for v in stages.values())
+            assert sum(stages.values()) == pytest.approx(total, rel=1e-6)
             server.core.backends[0].eject()
             async with s.get(server.url + "/health") as r:
                 assert r.status == 503

@@ -94,6 +94,16 @@ class RouterCollector(Collector):
         yield CounterMetricFamily(
             "kvroute_routed", "Requests routed", value=int(getattr(self.proxy_stats, "route_count", 0))
         )
+        stages = getattr(self.proxy_stats, "stage_seconds", None)
+        if stages:
+            fam = CounterMetricFamily(
+                "kvroute_routing_stage_seconds",
+                "Routing time by stage: parse, split (token cache lookups), tokenize, hash, plan",
+                labels=["stage"],
+            )
+            for stage, seconds in stages.items():
+                fam.add_metric([stage], float(seconds))
+            yield fam
 
 
 def render_metrics(registry: CollectorRegistry) -> bytes:

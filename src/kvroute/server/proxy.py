@@ -75,6 +75,10 @@ OFFLOAD_CHARS = 8192
 the worker thread (HF tokenizers and tiktoken release the GIL); less is cheaper than the hand-off."""
 
 
+STAGES = ("parse", "split", "tokenize", "hash", "plan")
+"""Stages of routing a request, timed on /metrics (``kvroute_routing_stage_seconds``)."""
+
+
 class _Tail:
     """The deferred tokenization of a routed request's new text, run on the tokenizer thread.
 
@@ -149,6 +153,9 @@ class Proxy:
         self.transport = transport
         self.route_seconds_sum = 0.0  # time spent routing (parse + tokenize + plan), seconds
         self.route_count = 0
+        # the same time by stage (seconds, wall, on the event loop; "tokenize" includes a wait for
+        # the worker thread): parse, split (cache lookups), tokenize, hash, plan (match + policy)
+        self.stage_seconds = dict.fromkeys(STAGES, 0.0)
         # Long prompts are tokenized on one worker thread (HF tokenizers releases the GIL), so the
         # event loop keeps relaying other streams meanwhile; threads start on first use.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-tokenize")
@@ -182,28 +189,40 @@ class Proxy:
         counters = self.core.counters
         try:
             raw = await self._read_body(request)
-            t0 = time.perf_counter()
+            clock = time.perf_counter
+            stages = self.stage_seconds
+            t0 = clock()
             parsed = parse_request(raw, chat)
             core = self.core
+            t1 = clock()
             pending = core.split(parsed)
+            t2 = clock()
+            stages["parse"] += t1 - t0
+            stages["split"] += t2 - t1
             tail = None
             if pending.tail_chars >= DEFER_CHARS and core.defer_tokenize:
                 est = core.tokenizer.estimate_tail(pending)
                 plan = core.plan(parsed, pending.known, request.headers, tail_tokens=est)
                 tail = _Tail(core, plan)
                 tail.start(self._tokenize_pool, pending, parsed.cache_salt)
-            elif pending.tail_chars >= OFFLOAD_CHARS:
-                loop = asyncio.get_running_loop()
-                pieces = await loop.run_in_executor(
-                    self._tokenize_pool, core.tokenizer.finish_pieces, pending
-                )
-                ids, chain = core.hashed(pieces, pending.suffix, parsed.cache_salt)
-                plan = core.plan(parsed, ids, request.headers, hashes=chain)
+                t3 = t4 = t2
             else:
-                pieces = core.tokenizer.finish_pieces(pending)
+                if pending.tail_chars >= OFFLOAD_CHARS:
+                    loop = asyncio.get_running_loop()
+                    pieces = await loop.run_in_executor(
+                        self._tokenize_pool, core.tokenizer.finish_pieces, pending
+                    )
+                else:
+                    pieces = core.tokenizer.finish_pieces(pending)
+                t3 = clock()
                 ids, chain = core.hashed(pieces, pending.suffix, parsed.cache_salt)
+                t4 = clock()
                 plan = core.plan(parsed, ids, request.headers, hashes=chain)
-            self.route_seconds_sum += time.perf_counter() - t0
+            t5 = clock()
+            stages["tokenize"] += t3 - t2
+            stages["hash"] += t4 - t3
+            stages["plan"] += t5 - t4
+            self.route_seconds_sum += t5 - t0
             self.route_count += 1
         except ApiError as err:
             if err.status == 503:

@@ -81,8 +81,8 @@ class RouterConfig:
       way (then corrects the KV view and the queued-prefill counter). New text is only cached on a
       backend if another path put it there (another router replica, direct traffic), which ``defer``
       cannot see. With the tiktoken encoder (:mod:`kvroute.fastbpe`) tokenizing new text costs well
-      under a millisecond per prompt; on the proxy benchmark ``defer`` took 0.3–0.7 ms off the added
-      TTFT, in interleaved A/B runs under heavier load it did not help, so it is opt-in. The production
+      under a millisecond per prompt; on the proxy benchmark ``defer`` took 0.27–0.85 ms off the added
+      TTFT in four of five runs; it is opt-in because of what it cannot see. The production
       features (``features``) always tokenize exactly.
     """
 

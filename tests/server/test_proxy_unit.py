@@ -325,3 +325,24 @@ async def test_exact_tokenization_records_whole_chain_before_sending(tokenizer: 
     finally:
         gate.set()
         await server.stop()
+
+
+async def test_exact_backend_keeps_routing_history_for_a_later_event_gap(tokenizer: Tokenizer) -> None:
+    """With KV events the exact view routes; the routing history (recorded once the request is on its
+    way) is what a backend falls back to after an unrecoverable event gap."""
+    from kvroute.blocks import hash_blocks
+
+    prompt = "history for the exact backend " * 40
+    chain = hash_blocks(tokenizer.encode(prompt), 16)
+    t = FakeTransport({A: [Scripted()]})
+    config = RouterConfig(backends=(BackendSpec(A, kv_events="tcp://127.0.0.1:1"),), port=0)
+    server = RouterServer(config, transport=t, tokenizer=tokenizer, background=False)
+    await server.start()
+    try:
+        assert (await post(server.url, {**BODY, "prompt": prompt}))[0] == 200
+        kv, now = server.core.kv, server.core.clock()
+        assert kv.mode(0, now) == "exact" and kv.match(chain, now)[0] == 0  # no events came: nothing exact
+        kv.reset(0, now)  # an event gap that could not be replayed
+        assert kv.mode(0, now) == "recovering" and kv.match(chain, now)[0] == len(chain)
+    finally:
+        await server.stop()

@@ -82,14 +82,13 @@ class KVView:
         n = self.num_backends
         if not self._exact_set:
             return self.approx.match(chain, n)
-        approx = self.approx.match(chain, n)
         exact = self.exact.match(chain, n)
-        out = approx
+        recovering = [i for i in self._exact_set if self.mode(i, now) != "exact"]
+        if not recovering and len(self._exact_set) == n:  # no backend needs the routing history
+            return exact
+        out = self.approx.match(chain, n)
         for i in self._exact_set:
-            if self.mode(i, now) == "exact":
-                out[i] = exact[i]
-            else:
-                out[i] = max(exact[i], approx[i])
+            out[i] = max(exact[i], out[i]) if i in recovering else exact[i]
         return out
 
     def on_routed(self, backend: int, chain: Sequence[int], now: float) -> None:

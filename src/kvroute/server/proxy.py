@@ -264,17 +264,25 @@ class Proxy:
                 continue
             if n:
                 counters.retries += 1
+            # A backend whose KV view is exact needs the routing history only as a fallback for a
+            # later event gap, so it is recorded once the request is on its way, off the TTFT path.
+            now = core.clock()
+            late = core.kv.mode(idx, now) == "exact"
             if tail is None:
                 lease = Lease(backend, plan.new_prefill[idx])
-                core.kv.on_routed(idx, plan.chain, core.clock())
+                if not late:
+                    core.kv.on_routed(idx, plan.chain, now)
             else:
                 known = tail.chain is not None
                 lease = Lease(backend, tail.prefill(idx) if known else plan.new_prefill[idx])
-                core.kv.on_routed(idx, tail.chain or plan.chain, core.clock())
+                if not late:
+                    core.kv.on_routed(idx, tail.chain or plan.chain, now)
                 tail.routed.append(idx)
                 tail.lease = lease
             try:
                 up = await self.transport.send(backend.url, "POST", path, body, headers)
+                if late:
+                    core.kv.on_routed(idx, plan.chain if tail is None else (tail.chain or plan.chain), now)
             except UpstreamConnectError as exc:
                 lease.release()
                 self._eject(backend, str(exc))

@@ -61,6 +61,15 @@ class LatencyRecorder:
         self.cached_tokens += cached
         self.output_tokens += output
 
+    def merge(self, other: LatencyRecorder) -> None:
+        """Add every request ``other`` recorded (e.g. rounds of one run measured apart)."""
+        self.ttft.extend(other.ttft)
+        self.tpot.extend(other.tpot)
+        self.e2e.extend(other.e2e)
+        self.prompt_tokens += other.prompt_tokens
+        self.cached_tokens += other.cached_tokens
+        self.output_tokens += other.output_tokens
+
     @property
     def finished(self) -> int:
         return len(self.ttft)

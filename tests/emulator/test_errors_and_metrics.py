@@ -194,3 +194,29 @@ async def test_disconnect_aborts_and_frees_blocks(start_server, stream):
     assert (idle.running, idle.waiting, idle.used_blocks, idle.kv_usage) == (0, 0, 0, 0.0)
     assert server.driver.active == 0
     assert idle.cached_blocks == 400 // 16  # the prompt's blocks stay cached, unreferenced
+
+
+async def test_metrics_name_filter_serves_only_the_named_samples(server: EmulatorServer):
+    """``/metrics?name[]=...`` (prometheus_client's filter, what the router scrapes): only those
+    samples, and what the router parses from them equals what it parses from the whole page."""
+    from kvroute.server.backends import SCRAPE_PATH, parse_vllm_metrics
+
+    status, _ = await post(server, "/v1/completions", {"prompt": list(range(1000, 1100)), "max_tokens": 4})
+    assert status == 200
+    base = f"http://127.0.0.1:{server.port}"
+    async with aiohttp.ClientSession() as s:
+        async with s.get(base + SCRAPE_PATH) as r:
+            assert r.status == 200
+            part = await r.read()
+        async with s.get(base + "/metrics") as r:
+            whole = await r.read()
+    names = {s.name for fam in text_string_to_metric_families(part.decode()) for s in fam.samples}
+    assert names == {
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+    }
+    assert len(part) < len(whole) // 5
+    assert parse_vllm_metrics(part, 1.0) == parse_vllm_metrics(whole, 1.0)
+    assert parse_vllm_metrics(part, 1.0) is not None

@@ -111,6 +111,7 @@ class FakeEngine:
         self.cancelled = 0
         self.die_after: int | None = None
         self.requests = 0
+        self.metrics_queries: list[str] = []  # query strings of the /metrics requests, in order
         self._runner: web.AppRunner | None = None
         self.url = ""
         self.on_request: Callable[[dict[str, object]], None] | None = None
@@ -152,6 +153,7 @@ class FakeEngine:
         return web.json_response({})
 
     async def metrics(self, request: web.Request) -> web.Response:
+        self.metrics_queries.append(request.query_string)  # the filter is ignored: the whole page
         text = (
             f'vllm:num_requests_running{{model_name="{self.name}"}} {self.active}\n'
             f'vllm:num_requests_waiting{{model_name="{self.name}"}} 0\n'

@@ -226,3 +226,23 @@ async def test_all_backends_down_503(cluster: Cluster, tokenizer: Tokenizer) -> 
             assert (await r.json())["error"]["code"] == 503
         async with s.get(url + "/v1/models") as r:
             assert r.status == 503
+
+
+async def test_scrapes_read_filtered_and_whole_metric_pages(cluster: Cluster, tokenizer: Tokenizer) -> None:
+    """The scraper asks for the samples it reads (``name[]``); emulated engines serve just those, a
+    server that ignores the filter serves its whole page: both end up in the backends' load view."""
+    from .fakes import FakeEngine
+
+    await cluster.add_engine(tokenizer, events=False)
+    await cluster.add_engine(tokenizer, events=False)
+    fake = FakeEngine("fake")
+    fake_url = await fake.start()
+    try:
+        await cluster.start_router(tokenizer, extra=(BackendSpec(fake_url),), scrape_interval_s=0.05)
+        router = cluster.router
+        assert router is not None
+        assert await eventually(lambda: all(b.scraped is not None for b in router.core.backends))
+        assert fake.metrics_queries and all("vllm:num_requests_running" in q for q in fake.metrics_queries)
+        assert all(b.scraped is not None and b.scraped.running == 0 for b in router.core.backends)
+    finally:
+        await fake.stop()

@@ -275,9 +275,10 @@ async def _until(cond: object, timeout_s: float = 5.0) -> None:
 
 
 async def test_deferred_tokenization_corrects_view_and_counters_in_flight(tokenizer: Tokenizer) -> None:
-    """tokenize=defer: a long new prompt is sent before its text is tokenized; while the request is
-    still waiting for its first byte, the tail's tokenization puts the whole chain in the chosen
-    backend's KV view and sets its queued prefill to the exact count; counters end at zero."""
+    """tokenize=defer: a long new prompt is sent before its text is tokenized; when the request is
+    still waiting for its first byte after TAIL_GRACE_S, the tail's tokenization puts the whole chain
+    in the chosen backend's KV view and sets its queued prefill to the exact count; counters end at
+    zero."""
     from kvroute.blocks import hash_blocks
     from kvroute.server.proxy import DEFER_CHARS
 
@@ -345,4 +346,36 @@ async def test_exact_backend_keeps_routing_history_for_a_later_event_gap(tokeniz
         kv.reset(0, now)  # an event gap that could not be replayed
         assert kv.mode(0, now) == "recovering" and kv.match(chain, now)[0] == len(chain)
     finally:
+        await server.stop()
+
+
+async def test_deferred_tail_waits_for_the_first_byte(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tokenize=defer with a first byte sooner than TAIL_GRACE_S: the new text is tokenized only
+    once the first byte was relayed (the router's work does not hold up the first token), then the
+    view has the whole chain and the text is in the token cache."""
+    from kvroute.blocks import hash_blocks
+    from kvroute.server import proxy
+    from kvroute.server.proxy import DEFER_CHARS
+
+    monkeypatch.setattr(proxy, "TAIL_GRACE_S", 60.0)
+    prompt = "a first byte comes before the tail is tokenized " * (2 * DEFER_CHARS // 45)
+    chain = hash_blocks(tokenizer.encode(prompt), 16)
+    gate = asyncio.Event()
+    t = FakeTransport({A: [Scripted(gate=gate)]})
+    server = await start(t, tokenizer, A, tokenize="defer")
+    try:
+        req = asyncio.create_task(post(server.url, {**BODY, "prompt": prompt}))
+        await _until(lambda: len(t.calls) == 1)
+        await asyncio.sleep(0.05)
+        assert server.core.kv.match(chain, server.core.clock())[0] < len(chain)  # not tokenized yet
+        assert server.core.tokenizer.split_prompt(prompt).tail_chars >= DEFER_CHARS
+        gate.set()
+        assert (await req)[0] == 200
+        await _until(lambda: server.core.kv.match(chain, server.core.clock())[0] == len(chain))
+        assert server.core.tokenizer.split_prompt(prompt).tail_chars < DEFER_CHARS
+        assert counters_zero(server)
+    finally:
+        gate.set()
         await server.stop()

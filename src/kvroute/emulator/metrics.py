@@ -8,7 +8,7 @@ engine's. Every series carries the label ``model_name``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -198,6 +198,9 @@ class EngineMetrics:
         self._e2e.observe(e2e_s)
         self._success.labels(self._model, reason).inc()
 
-    def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
+    def render(self, names: Sequence[str] = ()) -> bytes:
+        """The Prometheus text exposition of every metric, or only of the samples named in ``names``
+        (prometheus_client's ``name[]`` filter, as vLLM's ``/metrics?name[]=...`` serves it)."""
+        if names:
+            return generate_latest(self.registry.restricted_registry(names))
         return generate_latest(self.registry)

@@ -173,7 +173,8 @@ class EmulatorServer:
         return web.json_response({"version": kvroute.__version__, "server": "kvroute-emulator"})
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        names = request.query.getall("name[]", [])
+        return web.Response(body=self.metrics.render(names), headers={"Content-Type": CONTENT_TYPE})
 
     async def models(self, request: web.Request) -> web.Response:
         name = self.settings.model_name

@@ -3,7 +3,8 @@
 - Health: ``GET /health`` every ``health_interval_s`` (timeout ``health_timeout_s``); a 2xx is a
   pass. ``eject_after`` consecutive failures eject a backend; ``readmit_after`` consecutive passes
   re-admit it (a connection error on a proxied request ejects at once, see the proxy).
-- Scrape: ``GET /metrics`` of every healthy backend every ``scrape_interval_s``; parsed with
+- Scrape: ``GET /metrics`` (restricted to the samples it reads, ``backends.SCRAPE_PATH``) of every
+  healthy backend every ``scrape_interval_s``, the backends' turns spread over the interval; parsed with
   :func:`~kvroute.server.backends.parse_vllm_metrics` into ``BackendState.scraped``. A failed scrape
   leaves the old value, which the load view ignores once older than ``scrape_stale_s``.
 """
@@ -16,7 +17,7 @@ import logging
 import orjson
 
 from kvroute.features.coldstart import Prefix
-from kvroute.server.backends import BackendState, Lease, parse_vllm_metrics
+from kvroute.server.backends import SCRAPE_PATH, BackendState, Lease, parse_vllm_metrics
 from kvroute.server.router import RouterCore
 from kvroute.server.transport import Transport, UpstreamError
 
@@ -64,7 +65,7 @@ class Monitor:
         """One /metrics scrape of ``backend``."""
         cfg = self.core.config
         try:
-            resp = await self.transport.send(backend.url, "GET", "/metrics", timeout_s=cfg.health_timeout_s)
+            resp = await self.transport.send(backend.url, "GET", SCRAPE_PATH, timeout_s=cfg.health_timeout_s)
             try:
                 async with asyncio.timeout(cfg.health_timeout_s):
                     text = await resp.read()
@@ -138,7 +139,18 @@ class Monitor:
             await asyncio.sleep(interval_s)
 
     async def scrape_loop(self) -> None:
+        """Scrape every backend every ``scrape_interval_s``, each on its own schedule, the starts
+        spread evenly over the interval (not all at once: a burst of scrapes would hold up the requests
+        that arrive meanwhile)."""
         interval = self.core.config.scrape_interval_s
+        backends = self.core.backends
+        await asyncio.gather(
+            *(self._scrape_one(b, interval, i * interval / len(backends)) for i, b in enumerate(backends))
+        )
+
+    async def _scrape_one(self, backend: BackendState, interval: float, offset: float) -> None:
+        await asyncio.sleep(offset)
         while True:
-            await asyncio.gather(*(self.scrape(b) for b in self.core.backends if b.healthy))
+            if backend.healthy:
+                await self.scrape(backend)
             await asyncio.sleep(interval)

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import orjson
@@ -82,34 +82,69 @@ STAGES = ("parse", "split", "tokenize", "hash", "plan")
 """Stages of routing a request, timed on /metrics (``kvroute_routing_stage_seconds``)."""
 
 
+TAIL_GRACE_S = 0.005
+"""With ``tokenize: defer``: a routed request's new text is tokenized once its first byte has been
+relayed to the client, or once it has waited this long (seconds) without one, whichever comes first.
+A quick first token is not held up behind the router's own work; a long prefill gets its queued
+prefill corrected while it waits."""
+
+
 class _Tail:
-    """The deferred tokenization of a routed request's new text, run on the tokenizer thread.
+    """The deferred tokenization of a routed request's new text.
 
     Until it is done the request travels on an estimate (``plan.prompt_tokens``, a chain of its known
-    blocks only); when done, on the event loop: every backend the request was sent to records the
-    whole chain in the KV view, and the live attempt's queued prefill is corrected."""
+    blocks only). It runs (:meth:`run`) after the first byte was relayed, or ``TAIL_GRACE_S`` after
+    the request was sent (:meth:`arm`), whichever is first, on the event loop (on the worker thread
+    from ``OFFLOAD_CHARS``); then every backend the request was sent to records the whole chain in the
+    KV view, the live attempt's queued prefill is corrected while it still waits, and the token cache
+    knows the text for the conversation's next turn."""
 
-    __slots__ = ("chain", "core", "lease", "n_tokens", "plan", "routed")
+    __slots__ = (
+        "_pending",
+        "_pool",
+        "_salt",
+        "_timer",
+        "chain",
+        "core",
+        "lease",
+        "n_tokens",
+        "plan",
+        "routed",
+    )
 
-    def __init__(self, core: RouterCore, plan: Plan) -> None:
+    def __init__(
+        self, core: RouterCore, plan: Plan, pool: ThreadPoolExecutor, pending: Pending, salt: str | None
+    ) -> None:
         self.core = core
         self.plan = plan
         self.chain: tuple[int, ...] | None = None  # the whole prompt's chain, once known
         self.n_tokens = 0  # the whole prompt's tokens, once known
         self.routed: list[int] = []  # backends the request was sent to so far
         self.lease: Lease | None = None  # the attempt in progress
+        self._pool = pool
+        self._pending: Pending | None = pending  # None once started
+        self._salt = salt
+        self._timer: asyncio.TimerHandle | None = None
 
-    def start(self, pool: ThreadPoolExecutor, pending: Pending, salt: str | None) -> None:
-        """Tokenize the rest on the event loop right after this request's upstream write (the
-        callback runs once the handler awaits the response head), or on the worker thread when it
-        is long (``OFFLOAD_CHARS``); the chain is then computed on the loop."""
-        loop = asyncio.get_running_loop()
-        tokenizer = self.core.tokenizer
+    def arm(self) -> None:
+        """The request was sent: run at the latest ``TAIL_GRACE_S`` from now."""
+        if self._pending is not None and self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(TAIL_GRACE_S, self.run)
+
+    def run(self) -> None:
+        """Tokenize the rest now (once; later calls do nothing); the chain is computed on the loop."""
+        pending, self._pending = self._pending, None
+        if self._timer is not None:
+            self._timer.cancel()
+        if pending is None:
+            return
+        salt = self._salt
         if pending.tail_chars >= OFFLOAD_CHARS:
-            fut = loop.run_in_executor(pool, tokenizer.finish_pieces, pending)
+            loop = asyncio.get_running_loop()
+            fut = loop.run_in_executor(self._pool, self.core.tokenizer.finish_pieces, pending)
             fut.add_done_callback(lambda f: self._done(f, pending.suffix, salt))
         else:
-            loop.call_soon(self._inline, pending, salt)
+            self._inline(pending, salt)
 
     def _inline(self, pending: Pending, salt: str | None) -> None:
         try:
@@ -205,9 +240,9 @@ class Proxy:
             tail = None
             if pending.tail_chars >= DEFER_CHARS and core.defer_tokenize:
                 est = core.tokenizer.estimate_tail(pending)
-                plan = core.plan(parsed, pending.known, request.headers, tail_tokens=est)
-                tail = _Tail(core, plan)
-                tail.start(self._tokenize_pool, pending, parsed.cache_salt)
+                known, chain = core.hashed(pending.known_pieces, (), parsed.cache_salt)
+                plan = core.plan(parsed, known, request.headers, tail_tokens=est, hashes=chain)
+                tail = _Tail(core, plan, self._tokenize_pool, pending, parsed.cache_salt)
                 t3 = t4 = t2
             else:
                 if pending.tail_chars >= OFFLOAD_CHARS:
@@ -281,6 +316,8 @@ class Proxy:
                 tail.lease = lease
             try:
                 up = await self.transport.send(backend.url, "POST", path, body, headers)
+                if tail is not None:
+                    tail.arm()
                 if late:
                     core.kv.on_routed(idx, plan.chain if tail is None else (tail.chain or plan.chain), now)
             except UpstreamConnectError as exc:
@@ -334,12 +371,14 @@ class Proxy:
             if not stream or up.status != 200:
                 resp = await self._relay_buffered(up, first, chunks)
                 done = True
+                if tail is not None:
+                    tail.run()
                 if resp.status == 200 and isinstance(resp.body, bytes):
                     self._learn(idx, plan, resp.body, tail)
                 return resp
             out = web.StreamResponse(status=up.status, headers={"Content-Type": up.content_type})
             out.enable_chunked_encoding()
-            end = await self._relay_stream(request, out, first, chunks)
+            end = await self._relay_stream(request, out, first, chunks, None if tail is None else tail.run)
             done = end is not None
             if end is not None:
                 self._learn(idx, plan, end, tail)
@@ -371,13 +410,21 @@ class Proxy:
         return web.Response(status=up.status, body=body, headers={"Content-Type": up.content_type})
 
     async def _relay_stream(
-        self, request: web.Request, out: web.StreamResponse, first: bytes, chunks: AsyncIterator[bytes]
+        self,
+        request: web.Request,
+        out: web.StreamResponse,
+        first: bytes,
+        chunks: AsyncIterator[bytes],
+        after_first: Callable[[], None] | None = None,
     ) -> bytes | None:
         """Stream to the client; return the last bytes of the stream when it ended normally, None when
-        the upstream broke (an error event was sent) or the client went away."""
+        the upstream broke (an error event was sent) or the client went away. ``after_first`` is
+        called once the first bytes were written to the client."""
         counters = self.core.counters
         try:
             await _write(out, request, first, prepare=True)
+            if after_first is not None:
+                asyncio.get_running_loop().call_soon(after_first)
             tail = first
             try:
                 async for chunk in chunks:

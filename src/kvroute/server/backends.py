@@ -57,9 +57,9 @@ SCRAPE_PATH = "/metrics?" + "&".join(
 )
 """What the router scrapes: ``/metrics`` restricted to the samples :func:`parse_vllm_metrics` reads.
 ``name[]`` is prometheus_client's own filter (vLLM and SGLang serve ``/metrics`` with its ASGI app):
-the engine renders 5 samples instead of hundreds (11.6 kB on the emulated engine, more on vLLM, with
-its histograms) and the router receives and scans that much less, 20 times a second per backend. A
-server that ignores the query sends the whole page, which parses the same."""
+the engine renders 5 samples instead of hundreds (vLLM's page is mostly histograms) and the router
+receives and scans that much less, 20 times a second per backend (``make bench ONLY=scrape`` measures
+both sides). A server that ignores the query sends the whole page, which parses the same."""
 
 
 @dataclass(frozen=True, slots=True)

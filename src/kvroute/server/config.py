@@ -80,10 +80,13 @@ class RouterConfig:
       plus an estimate of the rest's token count, and tokenizes the rest once the request is on its
       way (then corrects the KV view and the queued-prefill counter). New text is only cached on a
       backend if another path put it there (another router replica, direct traffic), which ``defer``
-      cannot see. With the tiktoken encoder (:mod:`kvroute.fastbpe`) tokenizing new text costs well
-      under a millisecond per prompt; on the proxy benchmark ``defer`` took 0.27–0.85 ms off the added
-      TTFT in four of five runs; it is opt-in because of what it cannot see. The production
-      features (``features``) always tokenize exactly.
+      cannot see. The new text is tokenized once the first byte has been relayed, or after
+      ``proxy.TAIL_GRACE_S`` without one. With the tiktoken encoder (:mod:`kvroute.fastbpe`)
+      tokenizing new text costs well under a millisecond per prompt; on the proxy benchmark (2 cores
+      shared by the router, the client and 4 engines, where the deferred work still competes for the
+      same cores) ``defer`` was at most 0.3 ms faster than ``exact``. It is opt-in because of what it
+      cannot see.
+      The production features (``features``) always tokenize exactly.
     """
 
     backends: tuple[BackendSpec, ...]

@@ -379,3 +379,27 @@ async def test_deferred_tail_waits_for_the_first_byte(
     finally:
         gate.set()
         await server.stop()
+
+
+async def test_deferred_tail_after_shutdown_is_dropped_quietly(tokenizer: Tokenizer) -> None:
+    """A deferred tail whose timer fires while the router stops (its tokenizer thread pool already
+    shut down) is dropped without raising out of the event loop's callback."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvroute.server.proxy import OFFLOAD_CHARS, _Tail
+    from kvroute.server.validate import parse_request
+
+    server = await start(FakeTransport({A: []}), tokenizer, A, tokenize="defer")
+    try:
+        prompt = "text for a stopping router " * (OFFLOAD_CHARS // 20)
+        pending = server.core.tokenizer.split_prompt(prompt)
+        assert pending.tail_chars >= OFFLOAD_CHARS
+        plan = server.core.plan(parse_request(orjson.dumps({**BODY, "prompt": "short"}), chat=False))
+        pool = ThreadPoolExecutor(max_workers=1)
+        pool.shutdown()
+        tail = _Tail(server.core, plan, pool, pending, None)
+        tail.run()
+        tail.run()  # once only
+        assert tail.chain is None
+    finally:
+        await server.stop()

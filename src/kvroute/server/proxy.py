@@ -141,7 +141,10 @@ class _Tail:
         salt = self._salt
         if pending.tail_chars >= OFFLOAD_CHARS:
             loop = asyncio.get_running_loop()
-            fut = loop.run_in_executor(self._pool, self.core.tokenizer.finish_pieces, pending)
+            try:
+                fut = loop.run_in_executor(self._pool, self.core.tokenizer.finish_pieces, pending)
+            except RuntimeError:  # the router is stopping (the thread pool is shut down)
+                return
             fut.add_done_callback(lambda f: self._done(f, pending.suffix, salt))
         else:
             self._inline(pending, salt)

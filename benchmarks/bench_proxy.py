@@ -30,7 +30,8 @@ cut to ``OUTPUT_TOKENS`` tokens so that the run measures the proxies, not token 
 4. **Router CPU per request**: the router process's user+system CPU time (``/proc/PID/stat``) during
    its own phases (latency and capacity) / requests it served there, milliseconds. Background work
    (health checks, /metrics scrapes, KV events of *all* engine traffic) is included; the idle CPU of
-   each router (ms per second, no traffic at all) is reported separately.
+   each router (ms per second, no traffic at all) is reported separately, and so is the CPU per
+   request in the highest sustained capacity step, where the background work weighs least.
 
 Writes ``benchmarks/results/proxy.json``. Skips (returns 0 with a note) if sglang-router is not
 installed (``pip install -e '.[bench]'``); kvroute and direct are still measured then.
@@ -142,12 +143,18 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-async def _capacity(url: str, text: BlockText, model: str) -> tuple[float, list[dict[str, Any]]]:
+async def _capacity(
+    url: str, text: BlockText, model: str, pid: int | None
+) -> tuple[float, list[dict[str, Any]]]:
+    """Offered rates until one is not sustained; ``pid``: the router's process, whose CPU time per
+    request is recorded for each step."""
     best = 0.0
     steps = []
     for rate in RATES:
         reqs = _requests(int(rate * STEP_S), float(rate), seed=rate)
+        c0 = _cpu_seconds(pid) if pid is not None else 0.0
         res = await run_bench(url, reqs, text, model, drain_timeout_s=30.0)
+        cpu_ms = 1000.0 * (_cpu_seconds(pid) - c0) / max(res.requests, 1) if pid is not None else None
         finished = res.requests - res.unfinished
         ok = res.unfinished == 0 and res.wall_seconds <= reqs[-1].arrival + DRAIN_S
         steps.append(
@@ -158,6 +165,7 @@ async def _capacity(url: str, text: BlockText, model: str) -> tuple[float, list[
                 "wall_s": round(res.wall_seconds, 3),
                 "sustained": ok,
                 "ttft_p50_ms": res.recorder.summary()["ttft_ms"]["p50"],
+                "router_cpu_ms_per_request": cpu_ms,
             }
         )
         print(
@@ -265,9 +273,12 @@ async def _measure() -> dict[str, Any]:
         for name, url in urls.items():
             print(f"  capacity: {name}", flush=True)
             c0 = _cpu_seconds(procs[name].pid) if name in procs else 0.0
-            best, steps = await _capacity(url, text, model)
+            best, steps = await _capacity(url, text, model, procs[name].pid if name in procs else None)
             out["paths"][name]["max_sustained_rps"] = best
             out["paths"][name]["capacity_steps"] = steps
+            top = [st for st in steps if st["sustained"] and st["offered_rps"] == best]
+            if name in procs and top:
+                out["paths"][name]["router_cpu_ms_per_request_at_max"] = top[0]["router_cpu_ms_per_request"]
             if name in procs:
                 cpu[name] += _cpu_seconds(procs[name].pid) - c0
                 served[name] += sum(st["requests"] for st in steps)
@@ -360,19 +371,22 @@ def main() -> int:
     (RESULTS / "proxy.json").write_text(json.dumps(out, indent=2) + "\n")
     print(
         "\n| path | TTFT p50 (ms) | TTFT p99 (ms) | added p50 (ms) | added p99 (ms) "
-        "| added p50, engines pinned apart (ms) | max req/s | CPU ms/req | idle CPU ms/s |"
+        "| added p50, engines pinned apart (ms) | max req/s | CPU ms/req | CPU ms/req at max req/s "
+        "| idle CPU ms/s |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, p in paths.items():
         lat = p["latency"]["ttft_ms"]
         add = p.get("added_ttft_ms", {"p50": 0.0, "p99": 0.0})
         own = p.get("added_ttft_pinned_ms", {"p50": 0.0} if "latency_pinned" in p else None)
         cpu = p.get("router_cpu_ms_per_request")
+        at_max = p.get("router_cpu_ms_per_request_at_max")
         idle = p.get("router_idle_cpu_ms_per_s")
         print(
             f"| {name} | {lat['p50']:.2f} | {lat['p99']:.2f} | {add['p50']:+.2f} | {add['p99']:+.2f} | "
             f"{'-' if own is None else format(own['p50'], '+.2f')} | "
             f"{p['max_sustained_rps']:.0f} | {'-' if cpu is None else f'{cpu:.2f}'} | "
+            f"{'-' if at_max is None else f'{at_max:.2f}'} | "
             f"{'-' if idle is None else f'{idle:.0f}'} |"
         )
     for name, p in paths.items():

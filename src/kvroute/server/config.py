@@ -84,7 +84,7 @@ class RouterConfig:
       ``proxy.TAIL_GRACE_S`` without one. With the tiktoken encoder (:mod:`kvroute.fastbpe`)
       tokenizing new text costs well under a millisecond per prompt; on the proxy benchmark (2 cores
       shared by the router, the client and 4 engines, where the deferred work still competes for the
-      same cores) ``defer`` was at most 0.3 ms faster than ``exact``. It is opt-in because of what it
+      same cores) ``defer`` was at most 0.4 ms faster than ``exact``. It is opt-in because of what it
       cannot see.
       The production features (``features``) always tokenize exactly.
     """

@@ -2,7 +2,7 @@
 
 Policies see only these: a :class:`RequestView` (what is being routed, including how much of its
 prefix each instance already caches) and one :class:`InstanceView` per candidate instance (its load).
-They return a :class:`Decision`. Units: tokens are tokens, blocks are KV blocks of ``block_size``
+They return a :class:`Choice`. Units: tokens are tokens, blocks are KV blocks of ``block_size``
 tokens, ``kv_usage`` is a fraction in [0, 1].
 """
 
@@ -70,7 +70,7 @@ class RequestView:
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class Choice:
     """A policy's choice and its reasons.
 
     ``choice`` is a *position* in the instance list given to the policy (not ``InstanceView.index``).

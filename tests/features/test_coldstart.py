@@ -6,8 +6,9 @@ import pytest
 
 from kvroute.errors import UserError
 from kvroute.features.coldstart import ColdStartConfig, FrequentPrefixes, WarmupTracker, common_prefix_blocks
-from kvroute.policies.guarded import FeatureConfig, Guarded
+from kvroute.features.settings import FeatureConfig
 from kvroute.policies.registry import make_policy
+from kvroute.routing.guarded import Guarded
 
 from ._factories import insts, req
 

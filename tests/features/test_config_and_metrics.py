@@ -15,8 +15,9 @@ from kvroute.features.config import add_router_feature_arguments, features_from_
 from kvroute.features.hotspot import HotspotConfig
 from kvroute.features.monitor import ScoreMonitorConfig
 from kvroute.features.prometheus import FeatureCollector
-from kvroute.policies.guarded import FeatureConfig, Guarded
+from kvroute.features.settings import FeatureConfig
 from kvroute.policies.registry import make_policy
+from kvroute.routing.guarded import Guarded
 
 from ._factories import insts, req
 

@@ -8,8 +8,9 @@ import pytest
 
 from kvroute.errors import UserError
 from kvroute.features.limits import LimitsConfig, QuotaConfig, TokenBuckets
-from kvroute.policies.guarded import FeatureConfig, Guarded
+from kvroute.features.settings import FeatureConfig
 from kvroute.policies.registry import make_policy
+from kvroute.routing.guarded import Guarded
 from kvroute.views import InstanceView
 
 from ._factories import insts, req

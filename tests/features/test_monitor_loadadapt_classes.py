@@ -8,8 +8,9 @@ from kvroute.errors import UserError
 from kvroute.features.classes import ClassConfig, class_weight, resolve_class
 from kvroute.features.loadadapt import LoadAdaptiveConfig, cluster_load, load_bs_weight
 from kvroute.features.monitor import ScoreMonitor, ScoreMonitorConfig
-from kvroute.policies.guarded import FeatureConfig, Guarded
+from kvroute.features.settings import FeatureConfig
 from kvroute.policies.registry import make_policy
+from kvroute.routing.guarded import Guarded
 from kvroute.views import InstanceView
 
 from ._factories import insts, req

@@ -17,7 +17,7 @@ from kvroute.features.coldstart import ColdStartConfig
 from kvroute.features.hotspot import HotspotConfig
 from kvroute.features.limits import LimitsConfig, QuotaConfig
 from kvroute.features.monitor import ScoreMonitorConfig
-from kvroute.policies.guarded import FeatureConfig
+from kvroute.features.settings import FeatureConfig
 from kvroute.server.app import RouterServer
 from kvroute.server.config import BackendSpec, RouterConfig, load_config_file
 from kvroute.tokenizer import Tokenizer

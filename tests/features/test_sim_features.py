@@ -14,8 +14,9 @@ from kvroute.engine.types import AllBlocksCleared
 from kvroute.features.coldstart import ColdStartConfig
 from kvroute.features.hotspot import HotspotConfig
 from kvroute.features.monitor import ScoreMonitorConfig
-from kvroute.policies.guarded import FeatureConfig, Guarded
+from kvroute.features.settings import FeatureConfig
 from kvroute.policies.registry import make_policy
+from kvroute.routing.guarded import Guarded
 from kvroute.sim.cluster import ClusterSim, SimConfig
 from kvroute.sim.runner import RunSpec, run_spec
 from kvroute.workloads import make_workload

@@ -16,10 +16,10 @@ from kvroute.blocks import hash_blocks
 from kvroute.engine.types import AllBlocksCleared, BlockRemoved, BlockStored
 from kvroute.errors import UserError
 from kvroute.kvevents import END_SEQ, encode_batch, encode_seq
+from kvroute.routing.kvview import KVView
 from kvroute.server.backends import BackendState, Lease, ScrapedMetrics, parse_vllm_metrics
 from kvroute.server.config import BackendSpec, RouterConfig, config_from_mapping, load_config_file
 from kvroute.server.events import EventSubscriber
-from kvroute.server.kvview import KVView
 from kvroute.server.proxy import extract_cached_tokens
 
 # ---- config --------------------------------------------------------------------------------------

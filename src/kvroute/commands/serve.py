@@ -124,7 +124,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 def with_feature_flags(cfg: RouterConfig, args: argparse.Namespace) -> RouterConfig:
     """``cfg`` with the feature flags applied; fails early on a bad policy or feature combination."""
     from kvroute.features.config import merge_feature_flags
-    from kvroute.policies.guarded import Guarded
+    from kvroute.routing.guarded import Guarded
 
     cfg = dataclasses.replace(cfg, features=merge_feature_flags(cfg.features, args))
     policy = make_policy(cfg.policy)  # fail early on an unknown policy name

@@ -12,5 +12,5 @@ The router logs and exports what they record; the simulator puts it in its JSON 
 - :mod:`.classes`: request classes (TTFT- vs TPOT-sensitive) and their BS exponents (§5.3).
 - :mod:`.limits`: P-token cap, spot-instance exclusion and per-user token-bucket quotas (§6.1).
 
-:class:`kvroute.policies.guarded.Guarded` combines them around any registry policy.
+:class:`kvroute.routing.guarded.Guarded` combines them around any registry policy.
 """

@@ -1,7 +1,7 @@
 """Cold start (design §4.2): warming instances and the frequent prefixes to preload on them.
 
 An instance that joins, restarts or drops its whole cache (``AllBlocksCleared``) is *warming* for
-``window_s`` seconds (default 300). While warming (see :class:`~kvroute.policies.guarded.Guarded`):
+``window_s`` seconds (default 300). While warming (see :class:`~kvroute.routing.guarded.Guarded`):
 
 - **BS cap** (``cap_mode``), with ``cap = bs_cap_fraction × mean BS of the warm instances`` (default
   half the mean; no warm instance → no cap):

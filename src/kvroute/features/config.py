@@ -35,7 +35,7 @@ from kvroute.features.hotspot import HotspotConfig
 from kvroute.features.limits import LimitsConfig, QuotaConfig
 from kvroute.features.loadadapt import LoadAdaptiveConfig
 from kvroute.features.monitor import ScoreMonitorConfig
-from kvroute.policies.guarded import FeatureConfig
+from kvroute.features.settings import FeatureConfig
 
 __all__ = ["add_router_feature_arguments", "features_from_mapping", "merge_feature_flags"]
 

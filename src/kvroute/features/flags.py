@@ -1,6 +1,6 @@
 """Command-line flags of the features for `kvroute sim` (and anything built on its arguments), and
 their translation to :class:`~kvroute.sim.runner.RunSpec` fields and a
-:class:`~kvroute.policies.guarded.FeatureConfig`. Every flag defaults to off."""
+:class:`~kvroute.routing.guarded.FeatureConfig`. Every flag defaults to off."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def feature_spec_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def features_from_spec(spec: Any) -> Any:
-    """The :class:`~kvroute.policies.guarded.FeatureConfig` a RunSpec asks for (all off → ``any`` is
+    """The :class:`~kvroute.routing.guarded.FeatureConfig` a RunSpec asks for (all off → ``any`` is
     False)."""
     from kvroute.features.classes import ClassConfig
     from kvroute.features.coldstart import ColdStartConfig
@@ -132,7 +132,7 @@ def features_from_spec(spec: Any) -> Any:
     from kvroute.features.limits import LimitsConfig, QuotaConfig
     from kvroute.features.loadadapt import LoadAdaptiveConfig
     from kvroute.features.monitor import ScoreMonitorConfig
-    from kvroute.policies.guarded import FeatureConfig
+    from kvroute.features.settings import FeatureConfig
 
     classes = None
     if spec.classes or spec.class_weights:

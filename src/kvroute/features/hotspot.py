@@ -17,7 +17,7 @@ exceeds its share of the instances).
 - **Stage 2 (mitigation)**: after the alarm, each request of the class routed into ``M`` extends a
   streak (one routed outside resets it); when the streak exceeds ``streak_factor · |M|`` (default
   2·|M|) mitigation starts: later requests of the class are routed by load alone (see
-  :class:`~kvroute.policies.guarded.Guarded`) so the prefix spreads.
+  :class:`~kvroute.routing.guarded.Guarded`) so the prefix spreads.
 - **Clear**: the first request of the class for which the condition no longer holds (or the class
   left the top ``k``) clears its alarm and mitigation.
 

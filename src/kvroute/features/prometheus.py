@@ -1,4 +1,4 @@
-"""Prometheus view of a :class:`~kvroute.policies.guarded.Guarded`, read at scrape time.
+"""Prometheus view of a :class:`~kvroute.routing.guarded.Guarded`, read at scrape time.
 
 Metric names (prefix ``kvroute_``), each present only when its feature is on:
 
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvroute.policies.guarded import Guarded
+from kvroute.routing.guarded import Guarded
 
 __all__ = ["FeatureCollector"]
 

@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 
 from kvroute.policies.base import argbest, check_inputs
-from kvroute.views import Decision, InstanceView, RequestView
+from kvroute.views import Choice, InstanceView, RequestView
 
 __all__ = ["AibrixPrefixCache"]
 
@@ -39,7 +39,7 @@ class AibrixPrefixCache:
         self.imbalance_abs_count = imbalance_abs_count
         self.std_factor = std_factor
 
-    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Decision:
+    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
         """Apply the three steps of the module docstring."""
         n = check_inputs(request, instances)
         load = tuple(float(i.running + i.waiting) for i in instances)
@@ -58,7 +58,7 @@ class AibrixPrefixCache:
                 key=lambda pos: (-match[pos], load[pos], instances[pos].index),
             )
             choice = next((pos for pos in ranked if load[pos] <= bound), least_loaded)
-        return Decision(
+        return Choice(
             choice=choice,
             scores=match,
             policy=self.name,

@@ -27,7 +27,7 @@ import random
 from collections.abc import Sequence
 
 from kvroute.policies.base import check_inputs
-from kvroute.views import Decision, InstanceView, RequestView
+from kvroute.views import Choice, InstanceView, RequestView
 
 __all__ = ["BAILIAN_NORMALISATIONS", "Bailian"]
 
@@ -72,7 +72,7 @@ class Bailian:
         self.normalise = normalise
         self.name = "bailian" if normalise == "max" else f"bailian:{normalise}"
 
-    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Decision:
+    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
         """Score every instance, then sample one in proportion to its score."""
         n = check_inputs(request, instances)
         prompt = request.prompt_tokens
@@ -104,7 +104,7 @@ class Bailian:
                 if r < acc:
                     choice = pos
                     break
-        return Decision(
+        return Choice(
             choice=choice,
             scores=scores,
             policy=self.name,

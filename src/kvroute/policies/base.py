@@ -1,7 +1,7 @@
 """The policy interface and small helpers shared by the policies.
 
 A policy is pure: ``choose`` reads a :class:`~kvroute.views.RequestView` and the candidate
-:class:`~kvroute.views.InstanceView` list and returns a :class:`~kvroute.views.Decision`. It does no
+:class:`~kvroute.views.InstanceView` list and returns a :class:`~kvroute.views.Choice`. It does no
 I/O and reads no clock. Stateful policies (round-robin counter, RNG) keep that state on the object.
 
 Tie-break convention used by every deterministic policy unless its docstring says otherwise: among
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from kvroute.views import Decision, InstanceView, RequestView
+from kvroute.views import Choice, InstanceView, RequestView
 
 __all__ = ["Policy", "argbest", "check_inputs", "minmax_normalise"]
 
@@ -24,14 +24,14 @@ class Policy(Protocol):
     """Chooses one instance for a request.
 
     ``name`` is the registry name (including any parameter, e.g. ``"linear:0.7"``).
-    ``choose`` returns a :class:`Decision` whose ``choice`` is a position in ``instances``; it may
+    ``choose`` returns a :class:`Choice` whose ``choice`` is a position in ``instances``; it may
     mutate only the policy's own state (counters, RNG). ``instances`` must be non-empty and
     ``request.cached_tokens`` must have one entry per instance.
     """
 
     name: str
 
-    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Decision: ...
+    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice: ...
 
 
 def check_inputs(request: RequestView, instances: Sequence[InstanceView]) -> int:

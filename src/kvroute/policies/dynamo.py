@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvroute.policies.base import argbest, check_inputs
-from kvroute.views import Decision, InstanceView, RequestView
+from kvroute.views import Choice, InstanceView, RequestView
 
 __all__ = ["DynamoKv"]
 
@@ -38,7 +38,7 @@ class DynamoKv:
     def __init__(self, prefill_load_scale: float = 1.0) -> None:
         self.prefill_load_scale = prefill_load_scale
 
-    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Decision:
+    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
         """Choose the instance with the lowest projected prefill + decode block cost."""
         check_inputs(request, instances)
         bsz = max(request.block_size, 1)
@@ -51,7 +51,7 @@ class DynamoKv:
         decode = tuple(i.decode_blocks + incoming for i in instances)
         scale = self.prefill_load_scale
         scores = tuple(scale * p + d for p, d in zip(prefill, decode, strict=True))
-        return Decision(
+        return Choice(
             choice=argbest([scores], instances),
             scores=scores,
             policy=self.name,

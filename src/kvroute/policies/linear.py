@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvroute.policies.base import argbest, check_inputs, minmax_normalise
-from kvroute.views import Decision, InstanceView, RequestView
+from kvroute.views import Choice, InstanceView, RequestView
 
 __all__ = ["DEFAULT_LAMBDA", "LinearCombo"]
 
@@ -28,7 +28,7 @@ class LinearCombo:
         self.lam = lam
         self.name = name if name is not None else f"linear:{lam:g}"
 
-    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Decision:
+    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
         """Choose the instance minimising the normalised linear score."""
         check_inputs(request, instances)
         prompt = request.prompt_tokens
@@ -42,7 +42,7 @@ class LinearCombo:
             lam * p + (1.0 - lam) * b
             for p, b in zip(minmax_normalise(p_token), minmax_normalise(bs), strict=True)
         )
-        return Decision(
+        return Choice(
             choice=argbest([scores, bs], instances),
             scores=scores,
             policy=self.name,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvroute.policies.base import argbest, check_inputs
-from kvroute.views import Decision, InstanceView, RequestView
+from kvroute.views import Choice, InstanceView, RequestView
 
 __all__ = ["LlmD"]
 
@@ -32,7 +32,7 @@ class LlmD:
     def __init__(self, prefix_weight: float = 3.0, queue_weight: float = 2.0, kv_weight: float = 2.0) -> None:
         self.weights = (prefix_weight, queue_weight, kv_weight)
 
-    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Decision:
+    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
         """Choose the instance with the highest weighted score."""
         check_inputs(request, instances)
         bsz = max(request.block_size, 1)
@@ -48,7 +48,7 @@ class LlmD:
         kv = tuple(1.0 - i.kv_usage for i in instances)
         wp, wq, wk = self.weights
         scores = tuple(wp * p + wq * q + wk * k for p, q, k in zip(prefix, queue, kv, strict=True))
-        return Decision(
+        return Choice(
             choice=argbest([scores], instances, lower_is_better=False),
             scores=scores,
             policy=self.name,

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from operator import mul
 
-from kvroute.views import Decision, InstanceView, RequestView
+from kvroute.views import Choice, InstanceView, RequestView
 
 __all__ = ["LMetric"]
 
@@ -33,7 +33,7 @@ class LMetric:
         self._w: float | None = None if self.bs_weight == 1.0 else self.bs_weight
         self.name = name
 
-    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Decision:
+    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
         """Pick the instance minimising P-token × (BS + 1) ** bs_weight; see the module docstring."""
         cached = request.cached_tokens
         n = len(instances)
@@ -57,7 +57,7 @@ class LMetric:
                 (i for i in range(best, n) if scores[i] == best_s),
                 key=lambda i: (bs[i], instances[i].index),
             )
-        return Decision(
+        return Choice(
             choice=best,
             scores=tuple(scores),
             policy=self.name,

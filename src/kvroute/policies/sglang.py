@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvroute.policies.base import argbest, check_inputs
-from kvroute.views import Decision, InstanceView, RequestView
+from kvroute.views import Choice, InstanceView, RequestView
 
 __all__ = ["SglangCacheAware"]
 
@@ -43,7 +43,7 @@ class SglangCacheAware:
         self.balance_rel_threshold = balance_rel_threshold
         self.cache_threshold = cache_threshold
 
-    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Decision:
+    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
         """Apply the three-step rule of the module docstring."""
         check_inputs(request, instances)
         load = tuple(float(i.running + i.waiting) for i in instances)
@@ -55,7 +55,5 @@ class SglangCacheAware:
         if not imbalanced and max(match) > self.cache_threshold:
             neg_load = tuple(-x for x in load)
             choice = argbest([match, neg_load], instances, lower_is_better=False)
-            return Decision(
-                choice=choice, scores=match, policy=self.name, lower_is_better=False, detail=detail
-            )
-        return Decision(choice=argbest([load], instances), scores=load, policy=self.name, detail=detail)
+            return Choice(choice=choice, scores=match, policy=self.name, lower_is_better=False, detail=detail)
+        return Choice(choice=argbest([load], instances), scores=load, policy=self.name, detail=detail)

@@ -9,7 +9,7 @@ import random
 from collections.abc import Sequence
 
 from kvroute.policies.base import argbest, check_inputs
-from kvroute.views import Decision, InstanceView, RequestView
+from kvroute.views import Choice, InstanceView, RequestView
 
 __all__ = ["LeastRequests", "PowerOfTwo", "RandomChoice", "RoundRobin"]
 
@@ -29,12 +29,12 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Decision:
+    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
         """Choose position ``counter % len(instances)`` and advance the counter."""
         n = check_inputs(request, instances)
         choice = self._next % n
         self._next += 1
-        return Decision(choice=choice, scores=_one_hot(n, choice), policy=self.name, lower_is_better=False)
+        return Choice(choice=choice, scores=_one_hot(n, choice), policy=self.name, lower_is_better=False)
 
 
 class RandomChoice:
@@ -45,11 +45,11 @@ class RandomChoice:
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
 
-    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Decision:
+    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
         """Choose ``rng.randrange(len(instances))``."""
         n = check_inputs(request, instances)
         choice = self._rng.randrange(n)
-        return Decision(choice=choice, scores=_one_hot(n, choice), policy=self.name, lower_is_better=False)
+        return Choice(choice=choice, scores=_one_hot(n, choice), policy=self.name, lower_is_better=False)
 
 
 class PowerOfTwo:
@@ -64,18 +64,18 @@ class PowerOfTwo:
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
 
-    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Decision:
+    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
         """Sample two positions with ``rng.sample`` and choose the less loaded of them."""
         n = check_inputs(request, instances)
         bs = tuple(float(inst.running + inst.waiting) for inst in instances)
         if n == 1:
-            return Decision(choice=0, scores=bs, policy=self.name, detail={"sampled": (1.0,)})
+            return Choice(choice=0, scores=bs, policy=self.name, detail={"sampled": (1.0,)})
         a, b = self._rng.sample(range(n), 2)
         ka = (bs[a], instances[a].index)
         kb = (bs[b], instances[b].index)
         choice = a if ka <= kb else b
         sampled = tuple(1.0 if i in (a, b) else 0.0 for i in range(n))
-        return Decision(choice=choice, scores=bs, policy=self.name, detail={"sampled": sampled})
+        return Choice(choice=choice, scores=bs, policy=self.name, detail={"sampled": sampled})
 
 
 class LeastRequests:
@@ -83,8 +83,8 @@ class LeastRequests:
 
     name = "least-requests"
 
-    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Decision:
+    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
         """Choose the instance with the fewest outstanding requests."""
         check_inputs(request, instances)
         load = tuple(float(inst.running + inst.waiting) for inst in instances)
-        return Decision(choice=argbest([load], instances), scores=load, policy=self.name)
+        return Choice(choice=argbest([load], instances), scores=load, policy=self.name)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvroute.policies.base import argbest, check_inputs
-from kvroute.views import Decision, InstanceView, RequestView
+from kvroute.views import Choice, InstanceView, RequestView
 
 __all__ = ["VLLM_VARIANTS", "VllmBalancer"]
 
@@ -35,7 +35,7 @@ class VllmBalancer:
         self.variant = variant
         self.name = "vllm" if variant == "v1" else f"vllm:{variant}"
 
-    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Decision:
+    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
         """Choose the instance with the lowest vLLM load score."""
         check_inputs(request, instances)
         if self.variant == "v1":
@@ -44,4 +44,4 @@ class VllmBalancer:
             scores = tuple(
                 float(i.running + i.waiting) + i.waiting * 6.0 * max(0.0, i.kv_usage - 0.5) for i in instances
             )
-        return Decision(choice=argbest([scores], instances), scores=scores, policy=self.name)
+        return Choice(choice=argbest([scores], instances), scores=scores, policy=self.name)

@@ -35,7 +35,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from kvroute.errors import UserError
-from kvroute.policies.guarded import FeatureConfig
+from kvroute.features.settings import FeatureConfig
 
 __all__ = ["BackendSpec", "RouterConfig", "config_from_mapping", "load_config_file", "parse_backend_url"]
 

@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from kvroute.kvevents import END_SEQ, KVEventDecodeError, decode_batch, decode_seq, encode_seq
-from kvroute.server.kvview import KVView
+from kvroute.routing.kvview import KVView
 
 __all__ = ["EventSubscriber"]
 

@@ -18,14 +18,14 @@ from kvroute.blocks import hash_blocks
 from kvroute.features.classes import CLASS_HEADER, resolve_class
 from kvroute.features.coldstart import Prefix
 from kvroute.policies.base import Policy
-from kvroute.policies.guarded import Guarded
+from kvroute.routing.guarded import Guarded
+from kvroute.routing.kvview import KVView
 from kvroute.server.backends import BackendState
 from kvroute.server.chainmemo import ChainMemo, Piece
 from kvroute.server.config import RouterConfig
-from kvroute.server.kvview import KVView
 from kvroute.server.tokenize import Pending, RequestTokenizer
 from kvroute.server.validate import ApiError, ParsedRequest
-from kvroute.views import Decision, RequestView
+from kvroute.views import Choice, RequestView
 
 __all__ = ["Plan", "QuotaExceeded", "RouterCore", "RouterCounters"]
 
@@ -51,7 +51,7 @@ class Plan:
     prompt_tokens: int
     new_prefill: dict[int, int]
     cached_blocks: dict[int, int]
-    decision: Decision
+    decision: Choice
 
 
 class RouterCounters:
@@ -255,7 +255,7 @@ class RouterCore:
                 log.warning("%s", guard.log.popleft())
 
 
-def _retry_order(decision: Decision, indices: Sequence[int]) -> tuple[int, ...]:
+def _retry_order(decision: Choice, indices: Sequence[int]) -> tuple[int, ...]:
     """The chosen backend first, then the others from best to worst score (stable on ties)."""
     scores = decision.scores
     sign = 1.0 if decision.lower_is_better else -1.0

@@ -40,7 +40,7 @@ from kvroute.features.timeline import TtftTimeline
 from kvroute.index import ApproxPrefixIndex, PrefixIndex
 from kvroute.metrics import LatencyRecorder
 from kvroute.policies.base import Policy
-from kvroute.policies.guarded import Guarded
+from kvroute.routing.guarded import Guarded
 from kvroute.sim.loop import PRIO_ARRIVAL, PRIO_DELIVERY, PRIO_ENGINE, EventLoop
 from kvroute.views import InstanceView, RequestView
 from kvroute.workloads.request import Request

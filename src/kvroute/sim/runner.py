@@ -108,8 +108,8 @@ def run_spec(spec: RunSpec, progress: Callable[[float, int, int], None] | None =
     ``rate_scale``, ``skipped_lines`` and ``command`` (and ``samples`` with ``spec.keep_samples``)."""
     from kvroute.features.flags import features_from_spec
     from kvroute.metrics import quantile_points_ms
-    from kvroute.policies.guarded import Guarded
     from kvroute.policies.registry import make_policy
+    from kvroute.routing.guarded import Guarded
     from kvroute.sim.cluster import ClusterSim, SimConfig
     from kvroute.workloads import open_workload
 

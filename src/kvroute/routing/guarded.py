@@ -32,56 +32,24 @@ import dataclasses
 import math
 from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from kvroute.errors import UserError
-from kvroute.features.classes import ClassConfig, class_weight
-from kvroute.features.coldstart import ColdStartConfig, FrequentPrefixes, Prefix, WarmupTracker
-from kvroute.features.hotspot import HotspotConfig, HotspotDetector
-from kvroute.features.limits import LimitsConfig, QuotaConfig, TokenBuckets, limit_mask, narrow_mask
-from kvroute.features.loadadapt import LoadAdaptiveConfig, cluster_load, load_bs_weight
-from kvroute.features.monitor import ScoreMonitor, ScoreMonitorConfig
+from kvroute.features.classes import class_weight
+from kvroute.features.coldstart import FrequentPrefixes, Prefix, WarmupTracker
+from kvroute.features.hotspot import HotspotDetector
+from kvroute.features.limits import TokenBuckets, limit_mask, narrow_mask
+from kvroute.features.loadadapt import cluster_load, load_bs_weight
+from kvroute.features.monitor import ScoreMonitor
 from kvroute.features.prefix import DEFAULT_CLASS_TOKENS, class_blocks, prefix_class
+from kvroute.features.settings import FeatureConfig
 from kvroute.policies.base import Policy, check_inputs
 from kvroute.policies.lmetric import LMetric
-from kvroute.views import Decision, InstanceView, RequestView
+from kvroute.views import Choice, InstanceView, RequestView
 
-__all__ = ["FeatureConfig", "Guarded"]
+__all__ = ["Guarded"]
 
 LOG_KEPT = 1000
-
-
-@dataclass(frozen=True, slots=True)
-class FeatureConfig:
-    """Which features are on (``None``: off) and their settings."""
-
-    hotspot: HotspotConfig | None = None
-    cold_start: ColdStartConfig | None = None
-    monitor: ScoreMonitorConfig | None = None
-    load_adaptive: LoadAdaptiveConfig | None = None
-    classes: ClassConfig | None = None
-    limits: LimitsConfig | None = None
-    quota: QuotaConfig | None = None
-
-    def names(self) -> list[str]:
-        """Short names of the features that are on, in a fixed order."""
-        out = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
-        if self.limits is not None and not self.limits.active:
-            out.remove("limits")
-        return out
-
-    @property
-    def any(self) -> bool:
-        return bool(self.names())
-
-    def check(self) -> FeatureConfig:
-        """Return self; raise :class:`UserError` for a bad setting."""
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is not None:
-                value.check()
-        return self
 
 
 class Guarded:
@@ -176,11 +144,11 @@ class Guarded:
         return wait
 
     # -- the decision --------------------------------------------------------------------------------
-    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Decision:
+    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
         """Not usable without a time: call :meth:`decide` with ``now``."""
         raise TypeError("Guarded needs the time: call decide(request, instances, now)")
 
-    def decide(self, request: RequestView, instances: Sequence[InstanceView], now: float) -> Decision:
+    def decide(self, request: RequestView, instances: Sequence[InstanceView], now: float) -> Choice:
         """Choose an instance for ``request`` at ``now`` (seconds); see the module docstring."""
         n = check_inputs(request, instances)
         self.decisions += 1
@@ -250,7 +218,7 @@ class Guarded:
 
     def _mitigate(
         self, mask: list[bool], hot: list[bool], bs: list[int], instances: Sequence[InstanceView]
-    ) -> Decision:
+    ) -> Choice:
         cfg = self.features.hotspot
         assert cfg is not None
         n = len(mask)
@@ -260,7 +228,7 @@ class Guarded:
         choice = min(cand, key=lambda i: (bs[i], instances[i].queued_prefill_tokens, instances[i].index))
         scores = tuple(float(bs[i]) if i in cand else math.inf for i in range(n))
         self.counts["mitigated"] += 1
-        return Decision(choice, scores, self.name, True, {"mitigated": (1.0,)})
+        return Choice(choice, scores, self.name, True, {"mitigated": (1.0,)})
 
     def _score(
         self,
@@ -270,7 +238,7 @@ class Guarded:
         bs: list[int],
         mask: list[bool],
         warming: list[bool] | None,
-    ) -> Decision:
+    ) -> Choice:
         lm = self._lmetric
         assert lm is not None
         feats = self.features
@@ -297,7 +265,7 @@ class Guarded:
             scores.append(float(p * (bs[i] + 1)) if w == 1.0 else p * (bs[i] + 1) ** w)
         best_s = min(scores)
         best = min((i for i in range(n) if scores[i] == best_s), key=lambda i: (bs[i], instances[i].index))
-        return Decision(
+        return Choice(
             best,
             tuple(scores),
             self.name,
@@ -305,7 +273,7 @@ class Guarded:
             {"p_token": tuple(map(float, p_token)), "bs": tuple(map(float, bs)), "bs_weight": (w,)},
         )
 
-    def _inner(self, request: RequestView, instances: Sequence[InstanceView], mask: list[bool]) -> Decision:
+    def _inner(self, request: RequestView, instances: Sequence[InstanceView], mask: list[bool]) -> Choice:
         if all(mask):
             d = self.inner.choose(request, instances)
             return dataclasses.replace(d, policy=self.name) if self.name != d.policy else d
@@ -316,7 +284,7 @@ class Guarded:
         scores = [worst] * len(instances)
         for pos, i in enumerate(sub):
             scores[i] = d.scores[pos]
-        return Decision(sub[d.choice], tuple(scores), self.name, d.lower_is_better, d.detail)
+        return Choice(sub[d.choice], tuple(scores), self.name, d.lower_is_better, d.detail)
 
     def _after(
         self, choice: int, key: int, hot: list[bool] | None, p_token: list[int], bs: list[int], now: float

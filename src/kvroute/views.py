@@ -37,11 +37,6 @@ class InstanceView:
     tags: frozenset[str] = frozenset()
     warming: bool = False
 
-    @property
-    def batch_size(self) -> int:
-        """BS in the LMetric paper: running + waiting requests."""
-        return self.running + self.waiting
-
 
 @dataclass(frozen=True, slots=True)
 class RequestView:
@@ -57,6 +52,8 @@ class RequestView:
     - ``user``, ``req_class``: who sent it and its latency class (``"ttft"``, ``"tpot"``, or
       ``"default"``).
     - ``prefix_key``: id of the request's leading prefix class (0 if none), for hot-spot detection.
+    - ``now``: when it is routed, seconds on the router's clock (time-dependent features read it;
+      plain policies ignore it).
     """
 
     prompt_tokens: int
@@ -67,6 +64,7 @@ class RequestView:
     user: str | None = None
     req_class: str = "default"
     prefix_key: int = 0
+    now: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +74,8 @@ class Choice:
     ``choice`` is a *position* in the instance list given to the policy (not ``InstanceView.index``).
     ``scores`` holds one number per instance in that list, in the policy's own units and direction
     (``lower_is_better`` says which); ``detail`` names the terms behind the score for logs.
+    ``reason``: why the choice won (:data:`kvroute.routing.core.REASONS`); plain policies say
+    ``"policy"``, the feature wrapper names the feature that overrode or narrowed the choice.
     """
 
     choice: int
@@ -83,3 +83,4 @@ class Choice:
     policy: str
     lower_is_better: bool = True
     detail: dict[str, tuple[float, ...]] = field(default_factory=dict, compare=False)
+    reason: str = "policy"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvroute.errors import UserError
@@ -9,8 +11,14 @@ from kvroute.features.coldstart import ColdStartConfig, FrequentPrefixes, Warmup
 from kvroute.features.settings import FeatureConfig
 from kvroute.policies.registry import make_policy
 from kvroute.routing.guarded import Guarded
+from kvroute.views import RequestView
 
 from ._factories import insts, req
+
+
+def at(request: RequestView, now: float) -> RequestView:
+    """``request`` routed at ``now`` (seconds): the time Guarded reads."""
+    return dataclasses.replace(request, now=now)
 
 
 def guarded(**cs: object) -> Guarded:
@@ -32,30 +40,30 @@ def test_admit_cap_keeps_a_warming_instance_at_or_above_half_the_warm_mean_out()
     views = insts(5, 8, 12)
     # nothing cached: lmetric alone would pick instance 0 (lowest BS)
     assert make_policy("lmetric").choose(req(1000, [0, 0, 0]), views).choice == 0
-    d = g.decide(req(1000, [0, 0, 0]), views, 1.0)
+    d = g.choose(at(req(1000, [0, 0, 0]), 1.0), views)
     assert d.choice == 1 and d.scores[0] == float("inf")
     assert g.counts["warming_capped"] == 1
     # just below the cap it is eligible again
-    d = g.decide(req(1000, [0, 0, 0]), insts(4, 8, 12), 1.0)
+    d = g.choose(at(req(1000, [0, 0, 0]), 1.0), insts(4, 8, 12))
     assert d.choice == 0
     # after the window it is a normal instance
-    d = g.decide(req(1000, [0, 0, 0]), views, 301.0)
+    d = g.choose(at(req(1000, [0, 0, 0]), 301.0), views)
     assert d.choice == 0
 
 
 def test_idle_cluster_lets_a_warming_instance_take_one_request() -> None:
     g = guarded()
     g.instance_reset(1, 0.0)
-    d = g.decide(req(1000, [0, 0]), insts(3, 0), 1.0)  # warm mean 3 → cap max(1, 1.5): BS 0 < 1.5
+    d = g.choose(at(req(1000, [0, 0]), 1.0), insts(3, 0))  # warm mean 3 → cap max(1, 1.5): BS 0 < 1.5
     assert d.choice == 1
-    d = g.decide(req(1000, [0, 0]), insts(0, 0), 1.0)  # warm mean 0 → cap 1: still eligible at BS 0
+    d = g.choose(at(req(1000, [0, 0]), 1.0), insts(0, 0))  # warm mean 0 → cap 1: still eligible at BS 0
     assert d.choice == 0  # (equal scores apart from the +10 on the warming one)
 
 
 def test_score_is_p_token_plus_ten_times_bs_plus_one_on_warming_instances() -> None:
     g = guarded(cap_mode="none")
     g.instance_reset(0, 0.0)
-    d = g.decide(req(1000, [0, 0]), insts(1, 1), 5.0)
+    d = g.choose(at(req(1000, [0, 0]), 5.0), insts(1, 1))
     assert d.scores == ((1000 + 10) * 2, 1000 * 2)
     assert d.choice == 1  # the +10 breaks the tie against the warming instance
 
@@ -63,7 +71,7 @@ def test_score_is_p_token_plus_ten_times_bs_plus_one_on_warming_instances() -> N
 def test_score_cap_mode_caps_the_bs_the_score_sees() -> None:
     g = guarded(cap_mode="score")
     g.instance_reset(0, 0.0)
-    d = g.decide(req(1000, [0, 0, 0]), insts(9, 8, 12), 1.0)  # cap = int(0.5 × 10) = 5
+    d = g.choose(at(req(1000, [0, 0, 0]), 1.0), insts(9, 8, 12))  # cap = int(0.5 × 10) = 5
     assert d.scores[0] == (1000 + 10) * (5 + 1)
     assert d.choice == 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from pathlib import Path
 
@@ -18,8 +19,15 @@ from kvroute.features.prometheus import FeatureCollector
 from kvroute.features.settings import FeatureConfig
 from kvroute.policies.registry import make_policy
 from kvroute.routing.guarded import Guarded
+from kvroute.views import RequestView
 
 from ._factories import insts, req
+
+
+def at(request: RequestView, now: float) -> RequestView:
+    """``request`` routed at ``now`` (seconds): the time Guarded reads."""
+    return dataclasses.replace(request, now=now)
+
 
 ALERTS = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "kvroute-alerts.yml"
 
@@ -98,7 +106,7 @@ def test_collector_exports_alarms_mitigations_and_the_score_histogram() -> None:
     g = Guarded(make_policy("lmetric"), feats)
     views = insts(0, 0, 0)
     for t in range(3):  # class cached on instance 0 only: alarm, then mitigation
-        g.decide(req(2000, [1024, 0, 0], prefix_key=77), views, float(t))
+        g.choose(at(req(2000, [1024, 0, 0], prefix_key=77), float(t)), views)
     reg = CollectorRegistry()
     reg.register(FeatureCollector(g, [(0, "http://a"), (1, "http://b"), (2, "http://c")], lambda: 3.0))
     text = generate_latest(reg).decode()

@@ -11,9 +11,14 @@ from kvroute.features.limits import LimitsConfig, QuotaConfig, TokenBuckets
 from kvroute.features.settings import FeatureConfig
 from kvroute.policies.registry import make_policy
 from kvroute.routing.guarded import Guarded
-from kvroute.views import InstanceView
+from kvroute.views import InstanceView, RequestView
 
 from ._factories import insts, req
+
+
+def at(request: RequestView, now: float) -> RequestView:
+    """``request`` routed at ``now`` (seconds): the time Guarded reads."""
+    return dataclasses.replace(request, now=now)
 
 
 def limited(policy: str = "lmetric", **kw: object) -> Guarded:
@@ -26,20 +31,20 @@ def test_p_token_cap_excludes_instances_above_it_while_one_is_within() -> None:
     views = insts(0, 4)
     r = req(2000, [0, 1500])
     assert make_policy("lmetric").choose(r, views).choice == 0
-    d = g.decide(r, views, 0.0)
+    d = g.choose(at(r, 0.0), views)
     assert d.choice == 1 and d.scores[0] == float("inf")
     assert g.counts["p_token_capped"] == 1
     # queued prefill counts in P-token: 1000 queued + 500 new = 1500 is within the cap
     views = [InstanceView(index=0, running=0), InstanceView(index=1, running=4, queued_prefill_tokens=1000)]
-    assert g.decide(r, views, 0.0).choice == 1
+    assert g.choose(at(r, 0.0), views).choice == 1
     views = [InstanceView(index=0, running=0), InstanceView(index=1, running=4, queued_prefill_tokens=1001)]
-    assert g.decide(r, views, 0.0).choice == 0  # both above the cap: no restriction
+    assert g.choose(at(r, 0.0), views).choice == 0  # both above the cap: no restriction
 
 
 def test_p_token_cap_applies_to_any_inner_policy_and_maps_positions_back() -> None:
     g = limited("least-requests", p_token_cap=100)
     views = insts(0, 5, 7)
-    d = g.decide(req(1000, [0, 0, 950]), views, 0.0)
+    d = g.choose(at(req(1000, [0, 0, 950]), 0.0), views)
     assert d.choice == 2  # the only instance within the cap, despite its load
     assert d.scores == (float("inf"), float("inf"), 7.0)
 
@@ -50,12 +55,12 @@ def test_spot_instances_are_kept_out_of_long_requests_only() -> None:
         dataclasses.replace(v, tags=frozenset({"spot"}) if v.index == 0 else frozenset()) for v in insts(0, 6)
     ]
     short = req(1000, [0, 0], max_tokens=100)
-    assert g.decide(short, views, 0.0).choice == 0  # short: the idle spot instance is fine
+    assert g.choose(at(short, 0.0), views).choice == 0  # short: the idle spot instance is fine
     long = req(4000, [0, 0], max_tokens=200)  # 4200 > 4096
-    assert g.decide(long, views, 0.0).choice == 1
+    assert g.choose(at(long, 0.0), views).choice == 1
     assert g.counts["spot_excluded"] == 1
     all_spot = [dataclasses.replace(v, tags=frozenset({"spot"})) for v in insts(0, 6)]
-    assert g.decide(long, all_spot, 0.0).choice == 0  # nothing else: spot it is
+    assert g.choose(at(long, 0.0), all_spot).choice == 0  # nothing else: spot it is
 
 
 def test_token_bucket_refill_and_retry_after() -> None:

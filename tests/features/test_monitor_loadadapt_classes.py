@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvroute.errors import UserError
@@ -11,9 +13,14 @@ from kvroute.features.monitor import ScoreMonitor, ScoreMonitorConfig
 from kvroute.features.settings import FeatureConfig
 from kvroute.policies.registry import make_policy
 from kvroute.routing.guarded import Guarded
-from kvroute.views import InstanceView
+from kvroute.views import InstanceView, RequestView
 
 from ._factories import insts, req
+
+
+def at(request: RequestView, now: float) -> RequestView:
+    """``request`` routed at ``now`` (seconds): the time Guarded reads."""
+    return dataclasses.replace(request, now=now)
 
 
 def test_histogram_buckets_are_cumulative_and_le_inclusive() -> None:
@@ -50,7 +57,7 @@ def test_no_alert_before_min_decisions() -> None:
 def test_guarded_feeds_the_monitor_with_p_token_times_bs_plus_one() -> None:
     g = Guarded(make_policy("lmetric"), FeatureConfig(monitor=ScoreMonitorConfig()))
     views = [InstanceView(index=0, running=3, queued_prefill_tokens=100), InstanceView(index=1, running=9)]
-    d = g.decide(req(1000, [800, 0]), views, 0.0)
+    d = g.choose(at(req(1000, [800, 0]), 0.0), views)
     assert d.choice == 0
     assert g.monitor is not None and g.monitor.sum == (1000 - 800 + 100) * (3 + 1)
 
@@ -74,9 +81,9 @@ def test_load_adaptive_switches_above_the_threshold_only() -> None:
     # w = 1: 1000·2 = 2000 < 3000·1 → 0. The cached instance wins either way; make BS matter:
     r = req(4000, [3000, 0])
     low = insts(8, 0, kv=0.7)  # load exactly 0.7: w = 1 → 1000·9 = 9000 > 4000 → instance 1
-    assert g.decide(r, low, 0.0).choice == 1
+    assert g.choose(at(r, 0.0), low).choice == 1
     high = insts(8, 0, kv=0.75)  # w = 0.5 → 1000·3 = 3000 < 4000 → instance 0
-    d = g.decide(r, high, 0.0)
+    d = g.choose(at(r, 0.0), high)
     assert d.choice == 0 and d.detail["bs_weight"] == (0.5,)
     assert g.counts["load_reweighted"] == 1
 
@@ -96,11 +103,11 @@ def test_class_weights_change_the_decision() -> None:
     g = Guarded(make_policy("lmetric"), FeatureConfig(classes=ClassConfig()))
     views = insts(3, 0)
     r = req(3000, [2000, 0])  # instance 0: 1000 × 4^w; instance 1: 3000 × 1
-    assert g.decide(r, views, 0.0).choice == 1  # default w = 1: 4000 > 3000
+    assert g.choose(at(r, 0.0), views).choice == 1  # default w = 1: 4000 > 3000
     from dataclasses import replace
 
-    assert g.decide(replace(r, req_class="ttft"), views, 0.0).choice == 0  # 1000·2 = 2000 < 3000
-    assert g.decide(replace(r, req_class="tpot"), views, 0.0).choice == 1  # 1000·16 > 3000
+    assert g.choose(at(replace(r, req_class="ttft"), 0.0), views).choice == 0  # 1000·2 = 2000 < 3000
+    assert g.choose(at(replace(r, req_class="tpot"), 0.0), views).choice == 1  # 1000·16 > 3000
 
 
 def test_class_rules_must_name_weighted_classes_and_need_lmetric() -> None:

@@ -24,7 +24,7 @@ from kvroute.workloads import make_workload
 
 def _run(guard: Guarded | None, instances: int, workload: object) -> dict[str, object]:
     prof = get_profile()
-    cfg = SimConfig(instances=instances, policy="lmetric", kv_capacity_tokens=prof.kv_capacity_tokens)
+    cfg = SimConfig(instances=instances, kv_capacity_tokens=prof.kv_capacity_tokens)
     return ClusterSim(cfg, guard or make_policy("lmetric"), prof.cost).run(workload)  # type: ignore[arg-type]
 
 
@@ -54,7 +54,7 @@ def test_hotspot_flag_reaches_the_runner() -> None:
 def _cold_sim(scale_out: tuple[tuple[float, int], ...] = ((20.0, 2),)) -> ClusterSim:
     prof = get_profile()
     cfg = SimConfig(
-        instances=2, policy="lmetric", kv_capacity_tokens=prof.kv_capacity_tokens, scale_out=scale_out
+        instances=2, kv_capacity_tokens=prof.kv_capacity_tokens, scale_out=scale_out
     )
     guard = Guarded(make_policy("lmetric"), FeatureConfig(cold_start=ColdStartConfig(window_s=30.0)))
     return ClusterSim(cfg, guard, prof.cost)

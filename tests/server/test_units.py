@@ -392,3 +392,22 @@ async def test_subscriber_drains_a_burst_in_order() -> None:
             await task
         pub.close(0)
         ctx.term()
+
+
+def test_lease_holds_the_request_blocks_until_release_and_the_view_reads_them() -> None:
+    """The decode term moves with the router's own traffic: a lease's blocks count from routing to its
+    end (not only while waiting), and the view reports the larger of them and the engine's usage."""
+    from kvroute.server.backends import BackendState, Lease, ScrapedMetrics
+
+    b = BackendState(0, "http://x:1")
+    lease = Lease(b, 100, blocks=7)
+    assert b.view(0.0, 1.0).decode_blocks == 7
+    lease.first_byte()
+    assert b.view(0.0, 1.0).decode_blocks == 7 and b.queued_prefill == 0
+    b.scraped = ScrapedMetrics(running=1, waiting=0, kv_usage=0.5, at=0.0, num_kv_blocks=100)
+    assert b.view(0.0, 1.0).decode_blocks == 50  # the engine holds more than this router's requests
+    lease.release()
+    lease.release()
+    assert b.blocks == 0
+    b.scraped = None
+    assert b.view(0.0, 1.0).decode_blocks == 0

@@ -48,7 +48,7 @@ def test_optimistic_counters_spread_a_burst_despite_stale_load() -> None:
     counters every request would see 16 idle instances and land on instance 0."""
     profile = get_profile()
     cfg = SimConfig(
-        instances=16, policy="lmetric", kv_capacity_tokens=profile.kv_capacity_tokens, scrape_interval=10.0
+        instances=16, kv_capacity_tokens=profile.kv_capacity_tokens, scrape_interval=10.0
     )
     sim = ClusterSim(cfg, make_policy("lmetric"), profile.cost)
     sim.run(burst(16))
@@ -58,7 +58,7 @@ def test_optimistic_counters_spread_a_burst_despite_stale_load() -> None:
 
 def test_all_requests_accounted_and_counters_back_to_idle() -> None:
     profile = get_profile()
-    cfg = SimConfig(instances=2, policy="round-robin", kv_capacity_tokens=20_000)
+    cfg = SimConfig(instances=2, kv_capacity_tokens=20_000)
     sim = ClusterSim(cfg, make_policy("round-robin"), profile.cost)
     out = sim.run(burst(40, prompt=2048, out=200))
     assert out["requests"] == 40 and out["unfinished"] == 0
@@ -71,7 +71,7 @@ def test_all_requests_accounted_and_counters_back_to_idle() -> None:
 
 def test_request_too_large_for_any_instance_is_counted_not_lost() -> None:
     profile = get_profile()
-    cfg = SimConfig(instances=2, policy="lmetric", kv_capacity_tokens=4096)
+    cfg = SimConfig(instances=2, kv_capacity_tokens=4096)
     out = ClusterSim(cfg, make_policy("lmetric"), profile.cost).run(burst(3, prompt=8192))
     assert out["requests"] == 3 and out["rejected"] == 3 and out["unfinished"] == 3
 
@@ -200,7 +200,7 @@ def test_engine_version_changes_whenever_its_stats_do() -> None:
     """The staleness test behind the cached views: equal ``version`` implies equal ``stats()``; and
     ``load()`` is the part of ``stats()`` the router copies."""
     profile = get_profile()
-    cfg = SimConfig(instances=2, policy="lmetric", kv_capacity_tokens=20_000)
+    cfg = SimConfig(instances=2, kv_capacity_tokens=20_000)
     sim = ClusterSim(cfg, make_policy("lmetric"), profile.cost)
     seen: dict[tuple[int, int], object] = {}
     original = ClusterSim._after_engine

@@ -1,9 +1,9 @@
 """Guarded: any registry policy wrapped with the production features of :mod:`kvroute.features`.
 
-One object, used as is by the simulator (``kvroute sim --hotspot-mitigation …``) and the live router
-(``features`` keys of the router config). It is pure like every policy: time is passed in
-(:meth:`Guarded.decide`), it does no I/O, and what it noticed (alarms, alerts) is recorded in
-``log`` for the caller to print.
+A policy like any other (the same ``choose``), built by :func:`kvroute.routing.core.build_policy` for
+every driver when features are on. It is pure like every policy: time comes with the request
+(``RequestView.now``), it does no I/O, and what it noticed (alarms, alerts) is recorded in ``log`` for
+the caller to print.
 
 A decision, in order:
 
@@ -54,7 +54,7 @@ LOG_KEPT = 1000
 
 class Guarded:
     """``inner`` wrapped with ``features`` (see the module docstring). State: the detector, warm-up
-    tracker, frequent prefixes, score monitor, quota buckets and counters; mutated by ``decide``,
+    tracker, frequent prefixes, score monitor, quota buckets and counters; mutated by ``choose``,
     ``note``, ``instance_reset`` and ``admit``."""
 
     def __init__(self, inner: Policy, features: FeatureConfig) -> None:
@@ -145,12 +145,11 @@ class Guarded:
 
     # -- the decision --------------------------------------------------------------------------------
     def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
-        """Not usable without a time: call :meth:`decide` with ``now``."""
-        raise TypeError("Guarded needs the time: call decide(request, instances, now)")
-
-    def decide(self, request: RequestView, instances: Sequence[InstanceView], now: float) -> Choice:
-        """Choose an instance for ``request`` at ``now`` (seconds); see the module docstring."""
+        """Choose an instance for ``request`` at ``request.now`` (seconds); see the module docstring.
+        The same interface as every policy; ``Choice.reason`` names a feature that overrode the policy
+        (``"hotspot"``) or narrowed its candidates (``"cold_start_cap"``, ``"limits"``)."""
         n = check_inputs(request, instances)
+        now = request.now
         self.decisions += 1
         feats = self.features
         cached = request.cached_tokens
@@ -158,16 +157,22 @@ class Guarded:
         p_token = [prompt - c + v.queued_prefill_tokens for c, v in zip(cached, instances, strict=True)]
         bs = [v.running + v.waiting for v in instances]
         mask = [True] * n
+        reason = "policy"
         if feats.limits is not None and feats.limits.active:
             mask, spot_out, cap_out = limit_mask(request, instances, p_token, feats.limits, mask)
             if spot_out:
                 self.counts["spot_excluded"] += 1
             if cap_out:
                 self.counts["p_token_capped"] += 1
+            if spot_out or cap_out:
+                reason = "limits"
         warming = self._warming(instances, now)
         score_bs = bs
         if warming is not None:
+            narrowed = mask.count(True)
             mask, score_bs = self._cap_warming(mask, warming, bs)
+            if mask.count(True) < narrowed:
+                reason = "cold_start_cap"
         hot: list[bool] | None = None
         key = request.prefix_key
         det = self.hotspot
@@ -183,7 +188,7 @@ class Guarded:
         else:
             decision = self._inner(request, instances, mask)
         self._after(decision.choice, key, hot, p_token, bs, now)
-        return decision
+        return decision if reason == "policy" else dataclasses.replace(decision, reason=reason)
 
     def _warming(self, instances: Sequence[InstanceView], now: float) -> list[bool] | None:
         tracker = self.warmup
@@ -228,7 +233,7 @@ class Guarded:
         choice = min(cand, key=lambda i: (bs[i], instances[i].queued_prefill_tokens, instances[i].index))
         scores = tuple(float(bs[i]) if i in cand else math.inf for i in range(n))
         self.counts["mitigated"] += 1
-        return Choice(choice, scores, self.name, True, {"mitigated": (1.0,)})
+        return Choice(choice, scores, self.name, True, {"mitigated": (1.0,)}, reason="hotspot")
 
     def _score(
         self,

@@ -1,5 +1,9 @@
 """The router's KV view: which backend caches which prefix blocks, per backend exact or approximate.
 
+Part of the routing core: the live router feeds it from ZMQ KV events and HTTP responses, the simulator
+from its engine models' events (delivered after the event delay) and its simulated responses, through
+the same methods, so the simulator simulates what the router sees.
+
 - **Approximate** (default): routing history in an :class:`~kvroute.index.ApproxPrefixIndex` — the
   routed backend is assumed to hold the prompt's blocks (LRU capacity per backend, TTL). Routing
   history is recorded for *every* backend, so a backend whose event stream breaks can fall back to it.
@@ -8,6 +12,8 @@
   ``BlockStored`` blocks are re-hashed from their ``token_ids`` with the router's own chain
   (:func:`kvroute.blocks.hash_blocks` after the parent's router hash); a per-backend map engine hash →
   router hash serves ``BlockRemoved`` and later parents. Blocks whose parent is unknown are skipped.
+  With ``rehash=False`` the engine's block hashes *are* the router's (the simulator's engines hash
+  with the workload's block ids, as traces carry them) and are stored as they are.
 - **Recovering**: after a sequence gap that replay could not fill, the backend's exact entries are
   cleared and, for ``recovery_s`` seconds, its match is ``max(exact, approximate)`` (new events are
   exact; the history covers what was cached before the gap); then it is exact again.
@@ -35,6 +41,10 @@ _SHRINK = 0.9
 class KVView:
     """See the module docstring. ``now`` arguments are monotonic seconds and must not decrease.
 
+    ``history=False`` keeps no routing history for exact backends (:meth:`on_routed` then only feeds
+    approximate ones): right where an event stream cannot break (the simulator), and it saves the
+    history's cost there. ``rehash``: see the module docstring.
+
     Mutated by ``on_routed`` (approximate history), ``on_usage`` (capacity correction),
     ``apply_events``/``reset`` (exact view); ``match`` mutates nothing.
     """
@@ -47,6 +57,9 @@ class KVView:
         ttl_s: float | None,
         recovery_s: float,
         exact_backends: Iterable[int] = (),
+        *,
+        rehash: bool = True,
+        history: bool = True,
     ) -> None:
         self.num_backends = num_backends
         self.block_size = block_size
@@ -58,6 +71,8 @@ class KVView:
         self._hash_maps: dict[int, dict[int, int]] = {i: {} for i in self._exact_set}
         self._recover_until: dict[int, float] = {}
         self._last_now = float("-inf")
+        self.rehash = rehash
+        self.history = history
         self.skipped_blocks = 0  # BlockStored blocks dropped (unknown parent, no tokens, block size)
         self.corrections = 0
         # Called with the backend index on AllBlocksCleared (cold start: the backend warms up again).
@@ -77,13 +92,22 @@ class KVView:
         until = self._recover_until.get(backend)
         return "recovering" if until is not None and now < until else "exact"
 
+    def add_backend(self, exact: bool) -> int:
+        """A backend joins (empty cache); returns its index (the next one)."""
+        index = self.num_backends
+        self.num_backends += 1
+        if exact:
+            self._exact_set = self._exact_set | {index}
+            self._hash_maps[index] = {}
+        return index
+
     def match(self, chain: Sequence[int], now: float) -> list[int]:
         """Cached-prefix length in blocks of ``chain`` on every backend (list indexed by backend)."""
         n = self.num_backends
         if not self._exact_set:
             return self.approx.match(chain, n)
         exact = self.exact.match(chain, n)
-        recovering = [i for i in self._exact_set if self.mode(i, now) != "exact"]
+        recovering = self._recovering(now) if self._recover_until else ()
         if not recovering and len(self._exact_set) == n:  # no backend needs the routing history
             return exact
         out = self.approx.match(chain, n)
@@ -91,9 +115,16 @@ class KVView:
             out[i] = max(exact[i], out[i]) if i in recovering else exact[i]
         return out
 
+    def _recovering(self, now: float) -> list[int]:
+        """Backends still recovering at ``now``; forgets the windows that have ended."""
+        until = self._recover_until
+        for i in [i for i, t in until.items() if now >= t]:
+            del until[i]
+        return list(until)
+
     def on_routed(self, backend: int, chain: Sequence[int], now: float) -> None:
         """A request with block ``chain`` was sent to ``backend`` (records the routing history)."""
-        if chain:
+        if chain and (self.history or backend not in self._exact_set):
             self.approx.assign(backend, chain, self._now(now))
 
     def on_usage(
@@ -136,6 +167,9 @@ class KVView:
             if isinstance(ev, BlockStored):
                 self._stored(backend, hmap, ev)
             elif isinstance(ev, BlockRemoved):
+                if not self.rehash:
+                    self.exact.remove(backend, ev.block_hashes)
+                    continue
                 ours = [
                     h for h in map(hmap.pop, ev.block_hashes, [None] * len(ev.block_hashes)) if h is not None
                 ]
@@ -148,6 +182,9 @@ class KVView:
                     self.on_cleared(backend)
 
     def _stored(self, backend: int, hmap: dict[int, int], ev: BlockStored) -> None:
+        if not self.rehash:
+            self.exact.store(backend, ev.block_hashes)
+            return
         n = len(ev.block_hashes)
         bs = self.block_size
         if ev.block_size != bs or len(ev.token_ids) != n * bs:

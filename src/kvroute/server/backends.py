@@ -4,7 +4,9 @@ Router-side counters (fresh, but only this router's traffic), per backend:
 
 - ``waiting``: requests routed there whose first byte has not come back yet;
 - ``queued_prefill``: the new (uncached) prompt tokens of those requests;
-- ``running``: requests past their first byte and not yet ended.
+- ``running``: requests past their first byte and not yet ended;
+- ``blocks``: the KV blocks those requests hold or will hold (their prompts' blocks, from routing to
+  their end): the decode term that Dynamo-style and Bailian-style policies read.
 
 A request moves waiting → running at its first response byte (for a streamed response that is the
 first token; a non-streamed one stays waiting until it ends) and leaves at its end, whatever the end
@@ -19,7 +21,8 @@ traffic from other clients): ``vllm:num_requests_running``, ``vllm:num_requests_
 ``BS = max(r_running + r_waiting, s_running + s_waiting)``; ``running = min(BS, max(r_running,
 s_running))`` and ``waiting = BS − running`` (a request the engine already runs but that has not sent
 its first byte is counted once, not twice). ``queued_prefill_tokens`` is the router's own (vLLM does not
-export it); ``kv_usage`` is the engine's. Scraped values older than ``scrape_stale_s`` are ignored.
+export it); ``kv_usage`` is the engine's; ``decode_blocks`` is the larger of the router's own
+``blocks`` and the engine's blocks in use (``kv_usage`` × pool size, when the pool size is known). Scraped values older than ``scrape_stale_s`` are ignored.
 """
 
 from __future__ import annotations
@@ -135,6 +138,7 @@ class BackendState:
     checker (all on the router's event loop)."""
 
     __slots__ = (
+        "blocks",
         "failures",
         "healthy",
         "index",
@@ -153,6 +157,7 @@ class BackendState:
         self.waiting = 0
         self.running = 0
         self.queued_prefill = 0
+        self.blocks = 0
         self.requests_total = 0
         self.scraped: ScrapedMetrics | None = None
         self.healthy = True
@@ -173,9 +178,14 @@ class BackendState:
                 queued_prefill_tokens=self.queued_prefill,
                 kv_usage=s.kv_usage,
                 kv_capacity_blocks=s.num_kv_blocks,
+                decode_blocks=max(self.blocks, round(s.kv_usage * s.num_kv_blocks)),
             )
         return InstanceView(
-            index=self.index, running=r_run, waiting=r_wait, queued_prefill_tokens=self.queued_prefill
+            index=self.index,
+            running=r_run,
+            waiting=r_wait,
+            queued_prefill_tokens=self.queued_prefill,
+            decode_blocks=self.blocks,
         )
 
     def eject(self) -> bool:
@@ -208,18 +218,21 @@ class BackendState:
 
 
 class Lease:
-    """One routed attempt's share of a backend's counters: +1 waiting and ``prefill`` queued tokens on
-    creation, → running at :meth:`first_byte`, gone at :meth:`release`. Each step is idempotent, so
-    any exit path may call :meth:`release` (and ``finally`` always does)."""
+    """One routed attempt's share of a backend's counters: +1 waiting, ``prefill`` queued tokens and
+    ``blocks`` KV blocks on creation, → running at :meth:`first_byte` (the prefill leaves the queue),
+    gone at :meth:`release` (the blocks too). Each step is idempotent, so any exit path may call
+    :meth:`release` (and ``finally`` always does)."""
 
-    __slots__ = ("_state", "backend", "prefill")
+    __slots__ = ("_state", "backend", "blocks", "prefill")
 
-    def __init__(self, backend: BackendState, prefill_tokens: int) -> None:
+    def __init__(self, backend: BackendState, prefill_tokens: int, blocks: int = 0) -> None:
         self.backend = backend
         self.prefill = prefill_tokens
+        self.blocks = blocks
         self._state = 0  # 0 waiting, 1 running, 2 released
         backend.waiting += 1
         backend.queued_prefill += prefill_tokens
+        backend.blocks += blocks
         backend.requests_total += 1
 
     @property
@@ -251,4 +264,6 @@ class Lease:
             b.queued_prefill -= self.prefill
         elif self._state == 1:
             b.running -= 1
+        if self._state != 2:
+            b.blocks -= self.blocks
         self._state = 2

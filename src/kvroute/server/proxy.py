@@ -306,13 +306,14 @@ class Proxy:
             # later event gap, so it is recorded once the request is on its way, off the TTFT path.
             now = core.clock()
             late = core.kv.mode(idx, now) == "exact"
+            blocks = -(-plan.prompt_tokens // core.config.block_size)  # its KV while it runs
             if tail is None:
-                lease = Lease(backend, plan.new_prefill[idx])
+                lease = Lease(backend, plan.new_prefill[idx], blocks)
                 if not late:
                     core.kv.on_routed(idx, plan.chain, now)
             else:
                 known = tail.chain is not None
-                lease = Lease(backend, tail.prefill(idx) if known else plan.new_prefill[idx])
+                lease = Lease(backend, tail.prefill(idx) if known else plan.new_prefill[idx], blocks)
                 if not late:
                     core.kv.on_routed(idx, tail.chain or plan.chain, now)
                 tail.routed.append(idx)

@@ -18,14 +18,13 @@ from kvroute.blocks import hash_blocks
 from kvroute.features.classes import CLASS_HEADER, resolve_class
 from kvroute.features.coldstart import Prefix
 from kvroute.policies.base import Policy
-from kvroute.routing.guarded import Guarded
+from kvroute.routing.core import Decision, RouteRequest, RoutingCore, with_features
 from kvroute.routing.kvview import KVView
 from kvroute.server.backends import BackendState
 from kvroute.server.chainmemo import ChainMemo, Piece
 from kvroute.server.config import RouterConfig
 from kvroute.server.tokenize import Pending, RequestTokenizer
 from kvroute.server.validate import ApiError, ParsedRequest
-from kvroute.views import Choice, RequestView
 
 __all__ = ["Plan", "QuotaExceeded", "RouterCore", "RouterCounters"]
 
@@ -51,7 +50,7 @@ class Plan:
     prompt_tokens: int
     new_prefill: dict[int, int]
     cached_blocks: dict[int, int]
-    decision: Choice
+    decision: Decision
 
 
 class RouterCounters:
@@ -93,11 +92,11 @@ class RouterCore:
             recovery_s=config.kv_recovery_s,
             exact_backends=frozenset(i for i, b in enumerate(config.backends) if b.kv_events),
         )
+        # The routing core decides (kvroute.routing); this class gathers the views and the request.
+        self.routing = RoutingCore(with_features(policy, config.features), self.kv)
         self.counters = RouterCounters()
         self.chains = ChainMemo(config.block_size, config.tokenizer_cache_entries)
-        # Production features (kvroute.features): the policy wrapped when any is configured.
-        feats = config.features
-        self.guard = Guarded(policy, feats) if feats is not None and feats.any else None
+        self.guard = self.routing.guard  # production features' state, when any is on
         self._tags = {i: frozenset(b.tags) for i, b in enumerate(config.backends) if b.tags}
         self.preloads: list[tuple[int, Prefix]] = []  # cold-start preloads for the monitor to send
         if self.guard is not None and self.guard.warmup is not None:
@@ -145,95 +144,89 @@ class RouterCore:
         tail_tokens: int = 0,
         hashes: Sequence[int] | None = None,
     ) -> Plan:
-        """Route ``req`` (``ids``: its token ids when already computed, e.g. on a worker thread, or
-        only their known leading part, followed by about ``tail_tokens`` more: then the chain covers
-        the known part and the prompt length is estimated; ``headers``: the client's, for the class
-        header and the API key). Raises ApiError(503) when no backend is healthy, 400 for
-        untokenizable input or an unknown request class, QuotaExceeded (429) over quota. ``hashes``: the
-        block hashes of ``ids`` when already computed (:meth:`hashed`)."""
+        """Route ``req`` through the routing core (``ids``: its token ids when already computed, e.g.
+        on a worker thread, or only their known leading part, followed by about ``tail_tokens`` more:
+        then the chain covers the known part and the prompt length is estimated; ``headers``: the
+        client's, for the class header and the API key). Raises ApiError(503) when no backend is
+        healthy, 400 for untokenizable input or an unknown request class, QuotaExceeded (429) over
+        quota. ``hashes``: the block hashes of ``ids`` when already computed (:meth:`hashed`)."""
         candidates = [b for b in self.backends if b.healthy]
         if not candidates:
             raise ApiError(503, "no healthy backend", etype="service_unavailable")
         if ids is None:
             ids = self.tokens(req)
-        bs = self.config.block_size
         if hashes is not None:
             chain = tuple(hashes)
         else:
             try:
-                chain = tuple(hash_blocks(ids, bs, extra_key=req.cache_salt))
+                chain = tuple(hash_blocks(ids, self.config.block_size, extra_key=req.cache_salt))
             except ValueError as exc:
                 raise ApiError(400, f"invalid token ids: {exc}", "prompt") from None
         now = self.clock()
-        n_prompt = len(ids) + tail_tokens
-        matched = self.kv.match(chain, now)
-        cached_blocks = [matched[b.index] for b in candidates]
-        cached = tuple(min(c * bs, n_prompt) for c in cached_blocks)
         stale = self.config.scrape_stale_s
         views = [b.view(now, stale) for b in candidates]
-        guard = self.guard
-        req_class = "default"
-        key = chain[0] if chain else 0
-        if guard is not None:
-            req_class, key = self._features(guard, req, headers or {}, ids, chain, now)
-            if self._tags:
-                tags = self._tags
-                views = [dataclasses.replace(v, tags=tags[v.index]) if v.index in tags else v for v in views]
-        rv = RequestView(
-            prompt_tokens=n_prompt,
-            cached_tokens=cached,
-            num_blocks=len(chain),
-            block_size=bs,
-            max_tokens=req.max_tokens,
-            user=req.user,
-            req_class=req_class,
-            prefix_key=key,
-        )
-        if guard is not None:
-            decision = guard.decide(rv, views, now)
+        if self._tags:
+            tags = self._tags
+            views = [dataclasses.replace(v, tags=tags[v.index]) if v.index in tags else v for v in views]
+        rr = self._request(req, headers or {}, ids, chain, len(ids) + tail_tokens)
+        decision = self.routing.route(rr, views, now)
+        if self.guard is not None:
             self.drain_log()
-        else:
-            decision = self.policy.choose(rv, views)
-        order = _retry_order(decision, [b.index for b in candidates])
+        if decision.instance is None:  # refused by the token quota
+            wait = decision.retry_after_s
+            who = "this API key" if rr.quota_key is not None and rr.quota_key != req.user else "this user"
+            raise QuotaExceeded(
+                f"token quota exceeded for {who}; retry in {wait:.1f} s", max(1, math.ceil(wait))
+            )
+        bs = self.config.block_size
         return Plan(
-            order=order,
+            order=decision.order,
             chain=chain,
-            prompt_tokens=n_prompt,
-            new_prefill={b.index: n_prompt - c for b, c in zip(candidates, cached, strict=True)},
-            cached_blocks={b.index: c for b, c in zip(candidates, cached_blocks, strict=True)},
+            prompt_tokens=rr.prompt_tokens,
+            new_prefill={
+                i: rr.prompt_tokens - c
+                for i, c in zip(decision.instances, decision.cached_tokens, strict=True)
+            },
+            cached_blocks={
+                i: c // bs for i, c in zip(decision.instances, decision.cached_tokens, strict=True)
+            },
             decision=decision,
         )
 
-    def _features(
+    def _request(
         self,
-        guard: Guarded,
         req: ParsedRequest,
         headers: Mapping[str, str],
         ids: Sequence[int],
         chain: tuple[int, ...],
-        now: float,
-    ) -> tuple[str, int]:
-        """Quota (429), request class (400 for an unknown one) and prefix class of ``req``."""
-        feats = guard.features
-        if feats.quota is not None:
-            auth = headers.get("Authorization") or headers.get("authorization") or ""
-            api_key = auth[7:].strip() if auth[:7].lower() == "bearer " else None
-            who = (api_key or req.user) if feats.quota.key == "api_key" else (req.user or api_key)
-            wait = guard.quota_wait(who, len(ids) + req.max_tokens, now)
-            if wait:
-                raise QuotaExceeded(
-                    f"token quota exceeded for {'this API key' if who == api_key and who else 'this user'}; "
-                    f"retry in {wait:.1f} s",
-                    max(1, math.ceil(wait)),
-                )
+        prompt_tokens: int,
+    ) -> RouteRequest:
+        """The core's view of ``req``: request class from the header (400 for an unknown one) and the
+        quota key (API key or user, as the quota feature says)."""
+        guard = self.guard
         req_class = "default"
-        if feats.classes is not None:
-            try:
-                req_class = resolve_class(headers.get(CLASS_HEADER), req.user, req.model, feats.classes)
-            except ValueError as exc:
-                raise ApiError(400, str(exc)) from None
-        tokens = ids if req.cache_salt is None else None  # salted chains cannot be preloaded unsalted
-        return req_class, guard.note(chain, self.config.block_size, now, tokens, req.model)
+        quota_key = None
+        if guard is not None:
+            feats = guard.features
+            if feats.quota is not None:
+                auth = headers.get("Authorization") or headers.get("authorization") or ""
+                api_key = auth[7:].strip() if auth[:7].lower() == "bearer " else None
+                quota_key = (api_key or req.user) if feats.quota.key == "api_key" else (req.user or api_key)
+            if feats.classes is not None:
+                try:
+                    req_class = resolve_class(headers.get(CLASS_HEADER), req.user, req.model, feats.classes)
+                except ValueError as exc:
+                    raise ApiError(400, str(exc)) from None
+        return RouteRequest(
+            chain=chain,
+            prompt_tokens=prompt_tokens,
+            max_tokens=req.max_tokens,
+            user=req.user,
+            req_class=req_class,
+            quota_key=quota_key,
+            model=req.model,
+            token_ids=ids if req.cache_salt is None else None,  # salted chains cannot be preloaded unsalted
+        )
 
     def backend_reset(self, index: int) -> None:
         """Backend ``index`` restarted, was re-admitted or cleared its cache: with cold start on it
@@ -253,11 +246,3 @@ class RouterCore:
         if guard is not None:
             while guard.log:
                 log.warning("%s", guard.log.popleft())
-
-
-def _retry_order(decision: Choice, indices: Sequence[int]) -> tuple[int, ...]:
-    """The chosen backend first, then the others from best to worst score (stable on ties)."""
-    scores = decision.scores
-    sign = 1.0 if decision.lower_is_better else -1.0
-    rest = sorted((p for p in range(len(indices)) if p != decision.choice), key=lambda p: sign * scores[p])
-    return (indices[decision.choice], *(indices[p] for p in rest))

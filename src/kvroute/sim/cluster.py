@@ -2,14 +2,18 @@
 
 The router here is the simulator's twin of the live router (``kvroute.server``):
 
-- **KV view**: a prefix index fed by the engines' KV events, delivered ``event_delay`` seconds after
-  the step that produced them (``kv_view="exact"``), or, with ``kv_view="approx"``, fed by routing
-  history (the chosen instance is assumed to hold the prompt's blocks, with the engine's capacity
-  and LRU eviction).
-- **Load view**: engine-reported state (running, waiting, KV usage, queued prefill tokens) copied
-  when the router's copy is older than ``scrape_interval`` seconds (0: always current), plus the
-  router's optimistic counters: a request routed since that copy counts as waiting and its new
-  prefill tokens as queued, until its first token or the next copy (which then includes it).
+- **Decisions**: the routing core (:class:`~kvroute.routing.core.RoutingCore`), the same object the
+  live router calls; this module only gathers views and carries decisions out.
+- **KV view**: the router's :class:`~kvroute.routing.kvview.KVView`, fed by the engines' KV events
+  delivered ``event_delay`` seconds after the step that produced them (``kv_view="exact"``), or, with
+  ``kv_view="approx"``, by routing history (the chosen instance is assumed to hold the prompt's blocks,
+  LRU capacity = the engine's pool) corrected from each finished request's cached tokens, exactly as
+  the live router does from ``usage.prompt_tokens_details.cached_tokens``.
+- **Load view**: engine-reported state (running, waiting, KV usage, queued prefill tokens, blocks in
+  use) copied when the router's copy is older than ``scrape_interval`` seconds (0: always current),
+  plus the router's optimistic counters: a request routed since that copy counts as waiting, its new
+  prefill tokens as queued and its prompt's blocks as held (the decode term), until its first token
+  or the next copy (which then includes it).
 
 Requests reach the chosen engine at once; engines are woken at their ``next_time()``.
 """
@@ -26,9 +30,6 @@ from typing import Any
 from kvroute.engine.memo import DecodeMemo
 from kvroute.engine.model import EngineModel
 from kvroute.engine.types import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
     CostModel,
     EngineConfig,
     EngineRequest,
@@ -37,12 +38,12 @@ from kvroute.engine.types import (
 )
 from kvroute.errors import UserError
 from kvroute.features.timeline import TtftTimeline
-from kvroute.index import ApproxPrefixIndex, PrefixIndex
 from kvroute.metrics import LatencyRecorder
 from kvroute.policies.base import Policy
-from kvroute.routing.guarded import Guarded
+from kvroute.routing.core import RouteRequest, RoutingCore
+from kvroute.routing.kvview import KVView
 from kvroute.sim.loop import PRIO_ARRIVAL, PRIO_DELIVERY, PRIO_ENGINE, EventLoop
-from kvroute.views import InstanceView, RequestView
+from kvroute.views import InstanceView
 from kvroute.workloads.request import Request
 
 KV_VIEWS = ("exact", "approx")
@@ -59,7 +60,6 @@ class SimConfig:
     """
 
     instances: int
-    policy: str
     kv_capacity_tokens: int
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
@@ -90,6 +90,24 @@ class SimConfig:
             raise UserError("--scale-out needs T >= 0 and N >= 1; --spot-instances must be in [0, instances]")
 
 
+def sim_router(config: SimConfig, policy: Policy, block_size: int, capacity_blocks: int) -> RoutingCore:
+    """The simulated router's routing core: ``policy`` over a KV view of ``config.instances`` instances,
+    exact (fed by the engines' events) or approximate (routing history with an LRU capacity of
+    ``capacity_blocks`` per instance, the engines' pool; no TTL)."""
+    exact = config.kv_view == "exact"
+    kv = KVView(
+        num_backends=config.instances,
+        block_size=block_size,
+        capacity_blocks=capacity_blocks,
+        ttl_s=None,
+        recovery_s=0.0,
+        exact_backends=range(config.instances) if exact else (),
+        rehash=False,  # the engines hash with the workload's block ids, as the router does
+        history=False,  # engine events never break here: exact instances need no fallback
+    )
+    return RoutingCore(policy, kv)
+
+
 @dataclass(slots=True)
 class _Inst:
     """The router's per-instance state and the engine behind it."""
@@ -98,8 +116,9 @@ class _Inst:
     snap: tuple[int, int, int, float, int, int]  # the engine's load() when copied
     snap_time: float
     snap_version: int = -1  # the engine's ``version`` when ``snap`` was copied
-    opt: dict[int, int] = field(default_factory=dict)  # req_id -> new prefill tokens (optimistic)
+    opt: dict[int, tuple[int, int]] = field(default_factory=dict)  # req_id -> (new prefill tokens, blocks)
     opt_tokens: int = 0
+    opt_blocks: int = 0
     wake: float | None = None  # time of the scheduled wake-up (None: none pending)
     view: InstanceView | None = None  # cached view; None when stale
     tags: frozenset[str] = frozenset()
@@ -114,6 +133,8 @@ class _Live:
     first: float = -1.0
     cached: int = 0
     req_class: str = "default"
+    chain: tuple[int, ...] = ()  # block ids (kept for the approximate view's correction)
+    predicted_blocks: int = 0  # cached blocks the router predicted on ``instance``
 
 
 class ClusterSim:
@@ -129,14 +150,15 @@ class ClusterSim:
         self.rng = random.Random(config.seed)
         self._insts: list[_Inst] = []
         self._block_size = 0
-        self._index: PrefixIndex | ApproxPrefixIndex | None = None
+        self.core: RoutingCore | None = None
+        self._approx = False
         self._live: dict[int, _Live] = {}
         self.requests = 0
         self.rejected = 0
         self.preemptions = 0
         # features: the Guarded wrapper (if the policy is one), preload requests in flight, per-class
         # latencies, quota rejections, TTFT by arrival (with scale-out events)
-        self.guard = policy if isinstance(policy, Guarded) else None
+        self.guard: Any = None  # the features' state (Guarded) once built
         self._preload: set[int | str] = set()
         self._by_class: dict[str, LatencyRecorder] = {}
         self.quota_rejected = 0
@@ -164,7 +186,10 @@ class ClusterSim:
             eng = EngineModel(ecfg, self.cost)
             spot = k >= cfg.instances - cfg.spot_instances
             self._insts.append(_Inst(eng, eng.load(), 0.0, tags=frozenset({"spot"}) if spot else frozenset()))
-        self._index = PrefixIndex() if cfg.kv_view == "exact" else ApproxPrefixIndex(blocks)
+        self._approx = cfg.kv_view != "exact"
+        self.core = sim_router(cfg, self.policy, block_size, blocks)
+        self.core.kv.on_cleared = self._cleared
+        self.guard = self.core.guard
         self._ecfg = ecfg
         for t, n in cfg.scale_out:
             self.loop.schedule(max(t, self.loop.now), PRIO_ARRIVAL, self._join, n)
@@ -226,6 +251,8 @@ class ClusterSim:
         for _ in range(n):
             eng = EngineModel(self._ecfg, self.cost)
             self._insts.append(_Inst(eng, eng.load(), now))
+            assert self.core is not None
+            self.core.kv.add_backend(self.config.kv_view == "exact")
             self._reset_instance(len(self._insts) - 1, now)
 
     def _reset_instance(self, i: int, now: float) -> None:
@@ -237,8 +264,8 @@ class ClusterSim:
         for k, p in enumerate(prefixes):
             rid = f"preload-{i}-{now:.3f}-{k}"
             self._preload.add(rid)
-            if isinstance(self._index, ApproxPrefixIndex):
-                self._index.assign(i, p.chain, now)
+            assert self.core is not None
+            self.core.kv.on_routed(i, p.chain, now)
             self._insts[i].engine.add_request(EngineRequest(rid, len(p.chain) * bs, 1, p.chain), now)
         if prefixes:
             self._after_engine(i, now)
@@ -281,7 +308,7 @@ class ClusterSim:
             inst.snap_time = now
             if inst.opt:
                 inst.opt.clear()
-                inst.opt_tokens = 0
+                inst.opt_tokens = inst.opt_blocks = 0
                 inst.view = None
         view = inst.view
         if view is None:
@@ -293,7 +320,7 @@ class ClusterSim:
                 queued_prefill_tokens=queued + inst.opt_tokens,
                 kv_usage=kv_usage,
                 kv_capacity_blocks=blocks,
-                decode_blocks=used,
+                decode_blocks=used + inst.opt_blocks,
                 tags=inst.tags,
             )
             inst.view = view
@@ -301,42 +328,49 @@ class ClusterSim:
 
     def _route(self, req: Request) -> None:
         now = self.loop.now
-        insts = self._insts
-        assert self._index is not None
-        bs = self._block_size
-        matched = self._index.match(req.block_ids, len(insts))
+        core = self.core
+        assert core is not None
+        chain = req.block_ids
         prompt = req.prompt_len
-        cached = tuple([m * bs if m * bs < prompt else prompt for m in matched])
-        guard = self.guard
-        key = 0
-        if guard is not None:
-            if guard.quota_wait(req.user, prompt + req.output_len, now):
-                self.quota_rejected += 1
-                return
-            key = guard.note(req.block_ids, bs, now)
-        views = self._all_views(now)
-        rv = RequestView(
+        rr = RouteRequest(
+            chain=chain,
             prompt_tokens=prompt,
-            cached_tokens=cached,
-            num_blocks=len(req.block_ids),
-            block_size=bs,
             max_tokens=req.output_len,
             user=req.user,
             req_class=req.req_class,
-            prefix_key=key,
+            quota_key=req.user,
         )
-        choice = (guard.decide(rv, views, now) if guard is not None else self.policy.choose(rv, views)).choice
-        inst = insts[choice]
-        new_tokens = prompt - cached[choice]
-        inst.opt[req.req_id] = new_tokens
+        decision = core.route(rr, self._all_views(now), now)
+        choice = decision.instance
+        if choice is None:  # refused by the token quota
+            self.quota_rejected += 1
+            return
+        inst = self._insts[choice]
+        cached = decision.cached_tokens[choice]  # views are given in instance order
+        new_tokens = prompt - cached
+        blocks = -(-prompt // self._block_size)
+        inst.opt[req.req_id] = (new_tokens, blocks)
         inst.opt_tokens += new_tokens
+        inst.opt_blocks += blocks
         inst.view = None
         self._dirty.add(choice)
-        if isinstance(self._index, ApproxPrefixIndex):
-            self._index.assign(choice, req.block_ids, now)
-        self._live[req.req_id] = _Live(now, prompt, req.output_len, choice, req_class=req.req_class)
-        inst.engine.add_request(EngineRequest(req.req_id, prompt, req.output_len, req.block_ids), now)
+        core.kv.on_routed(choice, chain, now)
+        live = _Live(now, prompt, req.output_len, choice, req_class=req.req_class)
+        if self._approx:
+            live.chain = chain
+            live.predicted_blocks = cached // self._block_size
+        self._live[req.req_id] = live
+        inst.engine.add_request(EngineRequest(req.req_id, prompt, req.output_len, chain), now)
         self._after_engine(choice, now)
+
+    def _unreserve(self, i: int, inst: _Inst, req_id: Any) -> None:
+        """Drop the optimistic counters of ``req_id`` on instance ``i`` (first token, or aborted)."""
+        entry = inst.opt.pop(req_id, None)
+        if entry is not None:
+            inst.opt_tokens -= entry[0]
+            inst.opt_blocks -= entry[1]
+            inst.view = None
+            self._dirty.add(i)
 
     # -- engines ----------------------------------------------------------------------------------
     def _after_engine(self, i: int, now: float) -> None:
@@ -376,13 +410,11 @@ class ClusterSim:
                 rec = live[o.req_id]
                 rec.first = o.time
                 rec.cached = o.num_cached_tokens
-                tokens = inst.opt.pop(o.req_id, None)
-                if tokens is not None:
-                    inst.opt_tokens -= tokens
-                    inst.view = None
-                    self._dirty.add(i)
+                self._unreserve(i, inst, o.req_id)
             if kind is OutputKind.FINISHED:
                 rec = live.pop(o.req_id)
+                if rec.chain and self.core is not None:  # approximate view: corrected from the real hit
+                    self.core.kv.on_usage(i, rec.chain, rec.cached, rec.predicted_blocks, o.time)
                 self.recorder.add(rec.arrival, rec.first, o.time, rec.prompt_len, rec.cached, rec.output_len)
                 if self.config.by_class:
                     by = self._by_class.get(rec.req_class)
@@ -393,21 +425,13 @@ class ClusterSim:
                     self.timeline.add(rec.arrival, rec.first - rec.arrival)
             elif kind is OutputKind.ABORTED:
                 live.pop(o.req_id, None)
-                tokens = inst.opt.pop(o.req_id, None)
-                if tokens is not None:
-                    inst.opt_tokens -= tokens
-                    inst.view = None
-                    self._dirty.add(i)
+                self._unreserve(i, inst, o.req_id)
                 self.rejected += 1
 
     def _deliver(self, i: int, events: list[KVEvent]) -> None:
-        index = self._index
-        assert isinstance(index, PrefixIndex)
-        for ev in events:
-            if isinstance(ev, BlockStored):
-                index.store(i, ev.block_hashes)
-            elif isinstance(ev, BlockRemoved):
-                index.remove(i, ev.block_hashes)
-            elif isinstance(ev, AllBlocksCleared):
-                index.clear(i)
-                self._reset_instance(i, self.loop.now)  # cold start: warming again, preloads
+        assert self.core is not None
+        self.core.kv.apply_events(i, events)
+
+    def _cleared(self, i: int) -> None:
+        """Instance ``i``'s cache was cleared (its AllBlocksCleared event reached the KV view)."""
+        self._reset_instance(i, self.loop.now)  # cold start: warming again, preloads

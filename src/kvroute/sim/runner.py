@@ -108,8 +108,7 @@ def run_spec(spec: RunSpec, progress: Callable[[float, int, int], None] | None =
     ``rate_scale``, ``skipped_lines`` and ``command`` (and ``samples`` with ``spec.keep_samples``)."""
     from kvroute.features.flags import features_from_spec
     from kvroute.metrics import quantile_points_ms
-    from kvroute.policies.registry import make_policy
-    from kvroute.routing.guarded import Guarded
+    from kvroute.routing.core import build_policy
     from kvroute.sim.cluster import ClusterSim, SimConfig
     from kvroute.workloads import open_workload
 
@@ -118,7 +117,6 @@ def run_spec(spec: RunSpec, progress: Callable[[float, int, int], None] | None =
     profile = load_profile(spec)
     cfg = SimConfig(
         instances=spec.instances,
-        policy=spec.policy,
         kv_capacity_tokens=spec.kv_tokens or profile.kv_capacity_tokens,
         max_num_seqs=spec.max_num_seqs,
         max_num_batched_tokens=spec.max_num_batched_tokens,
@@ -131,10 +129,7 @@ def run_spec(spec: RunSpec, progress: Callable[[float, int, int], None] | None =
         by_class=spec.by_class or spec.classes or bool(spec.class_weights),
     )
     cfg.check()
-    policy = make_policy(spec.policy, random.Random(spec.seed))
-    features = features_from_spec(spec)
-    if features.any:
-        policy = Guarded(policy, features)
+    policy = build_policy(spec.policy, features_from_spec(spec), random.Random(spec.seed))
     stream, stats = open_workload(
         spec.trace, spec.fmt, spec.workload, spec.rate_scale, spec.duration, spec.seed, spec.skip_bad_lines
     )

@@ -34,8 +34,9 @@ from kvroute.engine.cost import LinkSpec, ProfileCostModel
 from kvroute.engine.model import EngineModel
 from kvroute.engine.types import EngineConfig, EngineRequest, OutputKind
 from kvroute.errors import UserError
-from kvroute.policies.registry import make_policy
-from kvroute.views import InstanceView, RequestView
+from kvroute.routing.core import RouteRequest, RoutingCore, build_policy
+from kvroute.routing.kvview import KVView
+from kvroute.views import InstanceView
 
 __all__ = [
     "BenchRequest",
@@ -204,7 +205,9 @@ def simulate(
     recorders = [_Recorder() for _ in range(dp)]
     engines = [EngineModel(cfg, rec) for rec in recorders]
     clocks = [0.0] * dp  # each engine's own clock at its last step boundary
-    router = make_policy(policy)
+    # No prefix information in these runs: an empty approximate KV view, nothing recorded in it.
+    kv = KVView(dp, block_size, capacity_blocks=1, ttl_s=None, recovery_s=0.0)
+    router = RoutingCore(build_policy(policy, None), kv)
     reqs = run.requests
     t0 = reqs[0].arrival
     arrivals = [r.arrival - t0 for r in reqs]
@@ -228,20 +231,14 @@ def simulate(
                     kv_capacity_blocks=num_kv_blocks,
                 )
             )
-        view = RequestView(
-            prompt_tokens=r.prompt_len,
-            cached_tokens=(0,) * dp,
-            num_blocks=r.prompt_len // block_size,
-            block_size=block_size,
-            max_tokens=r.output_len,
-        )
-        k = views[router.choose(view, views).choice].index
+        chosen = router.route(RouteRequest((), r.prompt_len, r.output_len), views, arrivals[i]).instance
+        assert chosen is not None  # no quota here
         nblocks = r.prompt_len // block_size
         hashes = tuple((i + 1) << 24 | j for j in range(nblocks))  # unique per request: no sharing
-        buffered[k].append(
+        buffered[chosen].append(
             EngineRequest(req_id=i, prompt_len=r.prompt_len, output_len=r.output_len, block_hashes=hashes)
         )
-        queued_tokens[k] += r.prompt_len
+        queued_tokens[chosen] += r.prompt_len
 
     def deliver_and_advance(now: float) -> None:
         """Group step boundary at ``now`` (seconds): queue buffered requests, finish engine steps."""

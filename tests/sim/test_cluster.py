@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.cli import main
+from kvroute.commands.settings import sim_command
 from kvroute.engine.cost import get_profile
 from kvroute.policies.registry import make_policy
 from kvroute.sim.cluster import ClusterSim, SimConfig
@@ -83,7 +84,7 @@ def test_same_spec_same_result_and_contract_fields() -> None:
     for k in ("requests", "ttft_ms", "tpot_ms", "e2e_ms", "kv_hit_rate", "sim_seconds"):
         assert a[k] == b[k]
     assert a["requests"] > 50 and a["unfinished"] == 0
-    assert a["command"].startswith(
+    assert sim_command(spec).startswith(
         "kvroute sim --workload chatbot --duration 30 --instances 4 --policy lmetric"
     )
 
@@ -156,7 +157,7 @@ def test_reproduce_command_carries_every_non_default_setting() -> None:
     spec = RunSpec(
         workload="coder", max_num_seqs=64, max_num_batched_tokens=2048, tp=2, seed=5, kv_view="approx"
     )
-    cmd = spec.command_line()
+    cmd = sim_command(spec)
     for flag in (
         "--max-num-seqs 64",
         "--max-num-batched-tokens 2048",
@@ -165,7 +166,7 @@ def test_reproduce_command_carries_every_non_default_setting() -> None:
         "--kv-view approx",
     ):
         assert flag in cmd
-    assert "--max-num-seqs" not in RunSpec(workload="coder").command_line()
+    assert "--max-num-seqs" not in sim_command(RunSpec(workload="coder"))
 
 
 @pytest.mark.parametrize("interval", [0.0, 0.05, 1.0])

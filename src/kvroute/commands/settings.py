@@ -168,10 +168,12 @@ class Flag:
 
 FLAGS: tuple[Flag, ...] = (
     Flag("--hotspot-mitigation", "hotspot", switch=True, help="KV hot-spot detection and mitigation"),
-    Flag("--hotspot-class-tokens", "hotspot", "class_tokens", help="prefix-class length, tokens"),
-    Flag("--hotspot-window", "hotspot", "window_s", help="hot-spot window, seconds"),
+    Flag(
+        "--hotspot-class-tokens", "hotspot", "class_tokens", metavar="N", help="prefix-class length, tokens"
+    ),
+    Flag("--hotspot-window", "hotspot", "window_s", metavar="S", help="hot-spot window, seconds"),
     Flag("--cold-start", "cold_start", switch=True, help="warming instances: BS cap, +10 P-token, preload"),
-    Flag("--cold-start-window", "cold_start", "window_s", help="warming window, seconds"),
+    Flag("--cold-start-window", "cold_start", "window_s", metavar="S", help="warming window, seconds"),
     Flag(
         "--cold-start-cap",
         "cold_start",
@@ -188,14 +190,22 @@ FLAGS: tuple[Flag, ...] = (
         metavar="W",
         help="above --load-threshold use score P×(BS+1)^W",
     ),
-    Flag("--load-threshold", "load_adaptive", "threshold", help="cluster load threshold"),
+    Flag("--load-threshold", "load_adaptive", "threshold", metavar="X", help="cluster load threshold"),
     Flag("--classes", "classes", switch=True, help="request classes with per-class BS weights"),
-    Flag("--p-token-cap", "limits", "p_token_cap", switch=True, help="avoid instances with P-token above N"),
+    Flag(
+        "--p-token-cap",
+        "limits",
+        "p_token_cap",
+        switch=True,
+        metavar="N",
+        help="avoid instances with P-token above N",
+    ),
     Flag(
         "--spot-max-tokens",
         "limits",
         "spot_max_tokens",
         switch=True,
+        metavar="N",
         help="keep requests longer than this off spot instances",
     ),
 )

@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import ROOT, SHARED, table, write
+from kvroute.commands.settings import sim_command
 from kvroute.sim.runner import RunSpec, run_spec
 
 DEFAULT_LOAD_SCALE = (
@@ -39,7 +40,7 @@ def _speed(spec: RunSpec) -> dict[str, float]:
         "sim_seconds": out["sim_seconds"],
         "wall_seconds": out["wall_seconds"],
         "speedup_vs_realtime": out["sim_seconds"] / out["wall_seconds"],
-        "command": out["command"],
+        "command": sim_command(spec),
     }
 
 

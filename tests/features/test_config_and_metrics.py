@@ -11,14 +11,14 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
+from kvroute.commands.settings import add_feature_arguments, features_from_args, features_from_mapping
 from kvroute.errors import UserError
-from kvroute.features.config import add_router_feature_arguments, features_from_mapping, merge_feature_flags
 from kvroute.features.hotspot import HotspotConfig
 from kvroute.features.monitor import ScoreMonitorConfig
-from kvroute.features.prometheus import FeatureCollector
 from kvroute.features.settings import FeatureConfig
 from kvroute.policies.registry import make_policy
 from kvroute.routing.guarded import Guarded
+from kvroute.server.feature_metrics import FeatureCollector
 from kvroute.views import RequestView
 
 from ._factories import insts, req
@@ -84,18 +84,18 @@ def test_bad_features_section_names_the_key(data: object, message: str) -> None:
 
 def test_flags_replace_the_features_they_name() -> None:
     p = argparse.ArgumentParser()
-    add_router_feature_arguments(p)
+    add_feature_arguments(p)
     base = FeatureConfig(hotspot=HotspotConfig(window_s=10.0), monitor=ScoreMonitorConfig(persist=3))
     args = p.parse_args(
         ["--hotspot-mitigation", "--quota", "50:500", "--p-token-cap", "100", "--load-adaptive"]
     )
-    f = merge_feature_flags(base, args)
+    f = features_from_args(args, base)
     assert f.hotspot == HotspotConfig()  # replaced with the defaults
     assert f.monitor == ScoreMonitorConfig(persist=3)  # untouched
     assert f.quota is not None and (f.quota.tokens_per_s, f.quota.burst) == (50.0, 500.0)
     assert f.limits is not None and f.limits.p_token_cap == 100
     assert f.load_adaptive is not None and f.load_adaptive.bs_weight == 0.5
-    assert merge_feature_flags(None, p.parse_args([])) == FeatureConfig()
+    assert features_from_args(p.parse_args([])) == FeatureConfig()
 
 
 def test_collector_exports_alarms_mitigations_and_the_score_histogram() -> None:

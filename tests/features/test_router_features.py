@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from kvroute.cli import main
+from kvroute.commands.settings import load_config_file
 from kvroute.engine.types import AllBlocksCleared
 from kvroute.features.coldstart import ColdStartConfig
 from kvroute.features.hotspot import HotspotConfig
@@ -19,7 +20,7 @@ from kvroute.features.limits import LimitsConfig, QuotaConfig
 from kvroute.features.monitor import ScoreMonitorConfig
 from kvroute.features.settings import FeatureConfig
 from kvroute.server.app import RouterServer
-from kvroute.server.config import BackendSpec, RouterConfig, load_config_file
+from kvroute.server.config import BackendSpec, RouterConfig
 from kvroute.tokenizer import Tokenizer
 
 from ._fakes import RecordingTransport

@@ -9,16 +9,19 @@ from pathlib import Path
 import pytest
 
 from kvroute.cli import main
+from kvroute.commands.settings import sim_command
 from kvroute.engine.cost import get_profile
 from kvroute.engine.types import AllBlocksCleared
+from kvroute.features.classes import ClassConfig
 from kvroute.features.coldstart import ColdStartConfig
 from kvroute.features.hotspot import HotspotConfig
+from kvroute.features.limits import QuotaConfig
 from kvroute.features.monitor import ScoreMonitorConfig
 from kvroute.features.settings import FeatureConfig
 from kvroute.policies.registry import make_policy
 from kvroute.routing.guarded import Guarded
 from kvroute.sim.cluster import ClusterSim, SimConfig
-from kvroute.sim.runner import RunSpec, run_spec
+from kvroute.sim.runner import RunSpec, SimScenario, run_spec
 from kvroute.workloads import make_workload
 
 
@@ -47,15 +50,16 @@ def test_hotspot_workload_meets_the_condition_and_mitigation_spreads_the_prefix(
 
 
 def test_hotspot_flag_reaches_the_runner() -> None:
-    out = run_spec(RunSpec(workload="hotspot", instances=4, duration=10.0, hotspot_mitigation=True))
-    assert out["policy"] == "lmetric+hotspot" and "--hotspot-mitigation" in out["command"]
+    spec = RunSpec(
+        workload="hotspot", instances=4, duration=10.0, features=FeatureConfig(hotspot=HotspotConfig())
+    )
+    out = run_spec(spec)
+    assert out["policy"] == "lmetric+hotspot" and "--hotspot-mitigation" in sim_command(spec)
 
 
 def _cold_sim(scale_out: tuple[tuple[float, int], ...] = ((20.0, 2),)) -> ClusterSim:
     prof = get_profile()
-    cfg = SimConfig(
-        instances=2, kv_capacity_tokens=prof.kv_capacity_tokens, scale_out=scale_out
-    )
+    cfg = SimConfig(instances=2, kv_capacity_tokens=prof.kv_capacity_tokens, scale_out=scale_out)
     guard = Guarded(make_policy("lmetric"), FeatureConfig(cold_start=ColdStartConfig(window_s=30.0)))
     return ClusterSim(cfg, guard, prof.cost)
 
@@ -96,18 +100,27 @@ def test_all_blocks_cleared_starts_a_warm_up() -> None:
 
 
 def test_quota_rejections_are_counted_and_not_routed() -> None:
-    out = run_spec(RunSpec(workload="coder", instances=2, duration=20.0, quota=(500.0, 6000.0)))
+    out = run_spec(
+        RunSpec(
+            workload="coder",
+            instances=2,
+            duration=20.0,
+            features=FeatureConfig(quota=QuotaConfig(500.0, 6000.0)),
+        )
+    )
     q = out["quota_rejected"]
     assert q > 0 and out["unfinished"] == q
     assert out["features"]["quota_rejected"] == q
 
 
 def test_mixed_workload_reports_per_class_latencies_and_classes_change_routing() -> None:
-    spec = RunSpec(workload="mixed", instances=4, duration=40.0, by_class=True)
+    spec = RunSpec(workload="mixed", instances=4, duration=40.0, scenario=SimScenario(by_class=True))
     plain = run_spec(spec)
     assert set(plain["by_class"]) == {"ttft", "tpot"}
     assert sum(c["requests"] for c in plain["by_class"].values()) == plain["requests"] - plain["unfinished"]
-    classed = run_spec(RunSpec(workload="mixed", instances=4, duration=40.0, classes=True))
+    classed = run_spec(
+        RunSpec(workload="mixed", instances=4, duration=40.0, features=FeatureConfig(classes=ClassConfig()))
+    )
     assert classed["features"]["class:ttft"] + classed["features"]["class:tpot"] == classed["requests"]
     assert classed["by_class"]["ttft"]["ttft_ms"] != plain["by_class"]["ttft"]["ttft_ms"]
 

@@ -69,7 +69,10 @@ async def cluster() -> AsyncIterator[Cluster]:
 
 
 def counters_zero(router: RouterServer) -> bool:
-    return all(b.waiting == 0 and b.running == 0 and b.queued_prefill == 0 and b.blocks == 0 for b in router.core.backends)
+    return all(
+        b.waiting == 0 and b.running == 0 and b.queued_prefill == 0 and b.blocks == 0
+        for b in router.core.backends
+    )
 
 
 async def eventually(cond, timeout_s: float = 5.0) -> bool:  # type: ignore[no-untyped-def]

@@ -32,7 +32,10 @@ async def start(transport: FakeTransport, tokenizer: Tokenizer, *urls: str, **kw
 
 
 def counters_zero(server: RouterServer) -> bool:
-    return all(b.waiting == 0 and b.running == 0 and b.queued_prefill == 0 and b.blocks == 0 for b in server.core.backends)
+    return all(
+        b.waiting == 0 and b.running == 0 and b.queued_prefill == 0 and b.blocks == 0
+        for b in server.core.backends
+    )
 
 
 async def post(url: str, body: object, raw: bytes | None = None) -> tuple[int, dict[str, str], bytes]:

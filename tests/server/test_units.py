@@ -13,12 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvroute.blocks import hash_blocks
+from kvroute.commands.settings import config_from_mapping, load_config_file
 from kvroute.engine.types import AllBlocksCleared, BlockRemoved, BlockStored
 from kvroute.errors import UserError
 from kvroute.kvevents import END_SEQ, encode_batch, encode_seq
 from kvroute.routing.kvview import KVView
 from kvroute.server.backends import BackendState, Lease, ScrapedMetrics, parse_vllm_metrics
-from kvroute.server.config import BackendSpec, RouterConfig, config_from_mapping, load_config_file
+from kvroute.server.config import BackendSpec, RouterConfig
 from kvroute.server.events import EventSubscriber
 from kvroute.server.proxy import extract_cached_tokens
 

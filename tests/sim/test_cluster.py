@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.cli import main
+from kvroute.commands.settings import sim_command
 from kvroute.engine.cost import get_profile
 from kvroute.policies.registry import make_policy
 from kvroute.sim.cluster import ClusterSim, SimConfig
@@ -47,9 +48,7 @@ def test_optimistic_counters_spread_a_burst_despite_stale_load() -> None:
     """16 simultaneous requests, load copies refreshed only every 10 s: without the router's own
     counters every request would see 16 idle instances and land on instance 0."""
     profile = get_profile()
-    cfg = SimConfig(
-        instances=16, kv_capacity_tokens=profile.kv_capacity_tokens, scrape_interval=10.0
-    )
+    cfg = SimConfig(instances=16, kv_capacity_tokens=profile.kv_capacity_tokens, scrape_interval=10.0)
     sim = ClusterSim(cfg, make_policy("lmetric"), profile.cost)
     sim.run(burst(16))
     loads = [inst.engine.stats().prefix_query_tokens for inst in sim._insts]
@@ -83,7 +82,7 @@ def test_same_spec_same_result_and_contract_fields() -> None:
     for k in ("requests", "ttft_ms", "tpot_ms", "e2e_ms", "kv_hit_rate", "sim_seconds"):
         assert a[k] == b[k]
     assert a["requests"] > 50 and a["unfinished"] == 0
-    assert a["command"].startswith(
+    assert sim_command(spec).startswith(
         "kvroute sim --workload chatbot --duration 30 --instances 4 --policy lmetric"
     )
 
@@ -156,7 +155,7 @@ def test_reproduce_command_carries_every_non_default_setting() -> None:
     spec = RunSpec(
         workload="coder", max_num_seqs=64, max_num_batched_tokens=2048, tp=2, seed=5, kv_view="approx"
     )
-    cmd = spec.command_line()
+    cmd = sim_command(spec)
     for flag in (
         "--max-num-seqs 64",
         "--max-num-batched-tokens 2048",
@@ -165,7 +164,7 @@ def test_reproduce_command_carries_every_non_default_setting() -> None:
         "--kv-view approx",
     ):
         assert flag in cmd
-    assert "--max-num-seqs" not in RunSpec(workload="coder").command_line()
+    assert "--max-num-seqs" not in sim_command(RunSpec(workload="coder"))
 
 
 @pytest.mark.parametrize("interval", [0.0, 0.05, 1.0])

@@ -24,6 +24,7 @@ from kvroute.commands.compare import (
     staleness_table,
     write_paper,
 )
+from kvroute.commands.settings import sim_command
 from kvroute.errors import UserError
 from kvroute.metrics import quantile_points_ms
 from kvroute.sim.compare import (
@@ -80,7 +81,7 @@ def test_compare_writes_results_table_and_plots_matching_direct_runs(
         assert r["tpot_ms"] == direct["tpot_ms"]
         assert r["kv_hit_rate"] == direct["kv_hit_rate"]
         assert r["requests"] == direct["requests"] > 0
-        assert r["command"] == direct["command"] == tiny_spec(r["policy"], r["rate_scale"]).command_line()
+        assert r["command"] == sim_command(tiny_spec(r["policy"], r["rate_scale"]))
         assert (r["scrape_interval"], r["event_delay"]) == (0.05, 0.002)
 
     samples = json.loads((out / "samples.json").read_text())

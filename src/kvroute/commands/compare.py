@@ -34,10 +34,12 @@ Names = Callable[[str], str]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvroute.commands.settings import add_feature_arguments
     from kvroute.commands.sim import add_cluster_arguments, add_workload_arguments
 
     add_workload_arguments(p)
     add_cluster_arguments(p)
+    add_feature_arguments(p, simulation=True)
     p.add_argument("--policies", help="comma-separated policies, e.g. vllm,lmetric,linear:0.7")
     p.add_argument(
         "--rate-scales",
@@ -231,12 +233,17 @@ def write_outputs(
         plot_cdfs(cdfs, out / "cdf.png", f"{title}: rate scale ×{cdfs[0]['rate_scale']:.4g}", names)
 
 
-def _progress(show: bool, total: int | None = None) -> Callable[[Any, Summary], None] | None:
-    if not show:
-        return None
+def _on_done(show: bool, total: int | None = None) -> Callable[[Any, Summary], None]:
+    """What happens as each run finishes: its reproducing ``command`` is added (the CLI's knowledge,
+    so not written in the worker) and, with ``show``, a progress line goes to stderr."""
+    from kvroute.commands.settings import sim_command
+
     count = [0]
 
     def report(spec: Any, out: Summary) -> None:
+        out["command"] = sim_command(spec)
+        if not show:
+            return
         count[0] += 1
         of = f"/{total}" if total else ""
         print(
@@ -283,7 +290,7 @@ def run_compare(args: argparse.Namespace) -> int:
     out_dir = Path(args.out or "compare-out")
     make_dir(out_dir)
     t0 = time.perf_counter()
-    with SpecRunner(args.jobs, _progress(not args.no_progress, len(specs))) as runner:
+    with SpecRunner(args.jobs, _on_done(not args.no_progress, len(specs))) as runner:
         runs = runner.run(specs)
     meta = {
         "workload": args.trace or args.workload,
@@ -316,7 +323,9 @@ def compare_command(
     """The `kvroute compare` command line that reproduces a run (from the base spec's sim flags)."""
     from dataclasses import replace
 
-    sim = replace(base, rate_scale=1.0).command_line().removeprefix("kvroute sim ")
+    from kvroute.commands.settings import sim_command
+
+    sim = sim_command(replace(base, rate_scale=1.0)).removeprefix("kvroute sim ")
     sim = sim.replace(f" --policy {base.policy}", "")
     parts = ["kvroute compare", sim, f"--policies {','.join(policies)}"]
     parts.append(f"--rate-scales {','.join(f'{r:g}' for r in rates)}")
@@ -400,7 +409,7 @@ def run_paper_preset(args: argparse.Namespace) -> int:
     plan = paper_plan(str(trace) if trace else None, args.duration)
     make_dir(out_dir)
     t0 = time.perf_counter()
-    with SpecRunner(args.jobs, _progress(not args.no_progress)) as runner:
+    with SpecRunner(args.jobs, _on_done(not args.no_progress)) as runner:
         result = run_paper(plan, runner.run, note=lambda s: print(s, flush=True))
     wall = time.perf_counter() - t0
     command = "kvroute compare --preset paper " + " ".join(

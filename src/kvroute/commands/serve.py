@@ -9,7 +9,7 @@ from typing import Any
 from kvroute.commands import port_number
 from kvroute.errors import UserError
 from kvroute.policies.registry import make_policy, policy_names
-from kvroute.server.config import BackendSpec, RouterConfig, load_config_file, parse_backend_url
+from kvroute.server.config import BackendSpec, RouterConfig, parse_backend_url
 
 HELP = "run the KV-cache-aware router (OpenAI-compatible proxy) in front of engines"
 
@@ -71,9 +71,9 @@ def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> N
     p.add_argument("--health-interval", type=float, help="seconds between health checks (default 1)")
     p.add_argument("--max-retries", type=int, help="retries on other backends before the first byte (2)")
     p.add_argument("--eject-after", type=int, help="failed health checks before ejection (default 3)")
-    from kvroute.features.config import add_router_feature_arguments
+    from kvroute.commands.settings import add_feature_arguments
 
-    add_router_feature_arguments(p)
+    add_feature_arguments(p)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,6 +97,8 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """The router config from ``--config`` (if any) overridden by flags; raises UserError."""
+    from kvroute.commands.settings import load_config_file
+
     base = load_config_file(args.config) if args.config else RouterConfig(backends=())
     events = _pairs(args.kv_events, "--kv-events")
     replays = _pairs(args.kv_replay, "--kv-replay")
@@ -123,10 +125,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 def with_feature_flags(cfg: RouterConfig, args: argparse.Namespace) -> RouterConfig:
     """``cfg`` with the feature flags applied; fails early on a bad policy or feature combination."""
-    from kvroute.features.config import merge_feature_flags
+    from kvroute.commands.settings import features_from_args
     from kvroute.routing.guarded import Guarded
 
-    cfg = dataclasses.replace(cfg, features=merge_feature_flags(cfg.features, args))
+    cfg = dataclasses.replace(cfg, features=features_from_args(args, cfg.features))
     policy = make_policy(cfg.policy)  # fail early on an unknown policy name
     if cfg.features is not None and cfg.features.any:
         Guarded(policy, cfg.features)  # e.g. classes need lmetric

@@ -47,13 +47,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="lmetric", help="routing policy (see the registry; default lmetric)")
     p.add_argument("--json", metavar="FILE", help="write the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    from kvroute.features.flags import add_feature_arguments
+    from kvroute.commands.settings import add_feature_arguments
 
-    add_feature_arguments(p)
+    add_feature_arguments(p, simulation=True)
 
 
 def spec_from_args(args: argparse.Namespace, policy: str, rate_scale: float | None = None) -> Any:
-    from kvroute.features.flags import feature_spec_fields
+    from kvroute.commands.settings import features_from_args, scenario_from_args
     from kvroute.sim.runner import RunSpec
 
     return RunSpec(
@@ -75,16 +75,18 @@ def spec_from_args(args: argparse.Namespace, policy: str, rate_scale: float | No
         kv_view=args.kv_view,
         scrape_interval=args.scrape_interval,
         event_delay=args.event_delay,
-        **feature_spec_fields(args),
+        features=features_from_args(args, seq_capacity=args.max_num_seqs),
+        scenario=scenario_from_args(args),
     )
 
 
 def run_with_progress(spec: Any, show: bool) -> dict[str, Any]:
-    """Run one spec, with a transient progress line on a terminal."""
+    """Run one spec, with a transient progress line on a terminal; ``command`` is added to the result."""
+    from kvroute.commands.settings import sim_command
     from kvroute.sim.runner import run_spec
 
     if not show:
-        return run_spec(spec)
+        return run_spec(spec) | {"command": sim_command(spec)}
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     with Progress(
@@ -97,7 +99,7 @@ def run_with_progress(spec: Any, show: bool) -> dict[str, Any]:
                 task, description=f"{spec.policy}: {t:,.0f} s simulated, {routed:,} routed, {done:,} done"
             )
 
-        return run_spec(spec, report)
+        return run_spec(spec, report) | {"command": sim_command(spec)}
 
 
 def print_summary(out: dict[str, Any]) -> None:

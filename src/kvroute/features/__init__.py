@@ -12,5 +12,8 @@ The router logs and exports what they record; the simulator puts it in its JSON 
 - :mod:`.classes`: request classes (TTFT- vs TPOT-sensitive) and their BS exponents (§5.3).
 - :mod:`.limits`: P-token cap, spot-instance exclusion and per-user token-bucket quotas (§6.1).
 
-:class:`kvroute.routing.guarded.Guarded` combines them around any registry policy.
+:class:`kvroute.routing.guarded.Guarded` combines them around any registry policy. Which are on:
+:class:`.settings.FeatureConfig`. Their command-line flags and YAML section are read in
+:mod:`kvroute.commands.settings`; the router exports them to Prometheus in
+:mod:`kvroute.server.feature_metrics`.
 """

@@ -17,11 +17,11 @@ import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from kvroute.features.prometheus import FeatureCollector
 from kvroute.policies.registry import make_policy
 from kvroute.server.config import RouterConfig
 from kvroute.server.events import EventSubscriber
 from kvroute.server.exporter import RouterCollector, render_metrics
+from kvroute.server.feature_metrics import FeatureCollector
 from kvroute.server.h1 import H1Transport
 from kvroute.server.monitor import Monitor
 from kvroute.server.proxy import Proxy, error_response

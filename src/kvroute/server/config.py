@@ -1,9 +1,8 @@
-"""Router configuration: frozen dataclasses, built from command-line flags or a YAML file.
+"""Router configuration: frozen dataclasses. Units: seconds for every ``*_s`` field, bytes for
+``max_body_bytes``, tokens for ``block_size``. Nothing here opens sockets or files.
 
-Units: seconds for every ``*_s`` field, bytes for ``max_body_bytes``, tokens for ``block_size``.
-Nothing here opens sockets or files except :func:`load_config_file`, which only reads the file.
-
-YAML layout (every key optional except ``backends``)::
+The command-line flags and the YAML file that build it are read by :mod:`kvroute.commands.settings`
+(``load_config_file``). YAML layout (every key optional except ``backends``)::
 
     backends:
       - url: http://10.0.0.1:8000
@@ -19,7 +18,7 @@ YAML layout (every key optional except ``backends``)::
     max_body_bytes: 33554432
     scrape_interval_s: 0.05
     health_interval_s: 1.0
-    features: {hotspot: true, monitor: true}  # production features, see kvroute.features.config
+    features: {hotspot: true, monitor: true}  # production features, see kvroute.commands.settings
     ...                                       # any other RouterConfig field by name
 
 A backend mapping may carry ``tags: [spot]`` (spot instances, see ``features.limits``).
@@ -27,17 +26,13 @@ A backend mapping may carry ``tags: [spot]`` (spot instances, see ``features.lim
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 from urllib.parse import urlparse
 
 from kvroute.errors import UserError
 from kvroute.features.settings import FeatureConfig
 
-__all__ = ["BackendSpec", "RouterConfig", "config_from_mapping", "load_config_file", "parse_backend_url"]
+__all__ = ["BackendSpec", "RouterConfig", "parse_backend_url"]
 
 
 TOKENIZE_MODES = ("defer", "exact")  # RouterConfig.tokenize
@@ -156,78 +151,3 @@ def parse_backend_url(url: str) -> str:
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise UserError(f"backend URL {url!r} must look like http://host:port")
     return u
-
-
-def _backend_from(item: Any, where: str) -> BackendSpec:
-    if isinstance(item, str):
-        return BackendSpec(parse_backend_url(item))
-    if isinstance(item, Mapping):
-        unknown = set(item) - {"url", "kv_events", "kv_replay", "tags"}
-        if unknown:
-            raise UserError(f"{where}: unknown backend keys {sorted(unknown)}")
-        url = item.get("url")
-        if not isinstance(url, str):
-            raise UserError(f"{where}: a backend needs a string 'url'")
-        kv, rep = item.get("kv_events"), item.get("kv_replay")
-        for name, val in (("kv_events", kv), ("kv_replay", rep)):
-            if val is not None and not (isinstance(val, str) and val.startswith(("tcp://", "ipc://"))):
-                raise UserError(f"{where}: {name} must be a tcp:// or ipc:// endpoint")
-        tags = item.get("tags", [])
-        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-            raise UserError(f"{where}: a backend's tags must be a list of strings")
-        return BackendSpec(parse_backend_url(url), kv, rep, tuple(tags))
-    raise UserError(f"{where}: a backend is a URL string or a mapping with 'url'")
-
-
-_FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
-
-
-def config_from_mapping(data: Mapping[str, Any], where: str = "config") -> RouterConfig:
-    """Build a config from a parsed YAML mapping; raise :class:`UserError` naming the bad key."""
-    if not isinstance(data, Mapping):
-        raise UserError(f"{where}: the top level must be a mapping")
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if key == "backends":
-            if not isinstance(value, list):
-                raise UserError(f"{where}: 'backends' must be a list")
-            kwargs["backends"] = tuple(_backend_from(v, where) for v in value)
-            continue
-        if key == "features":
-            from kvroute.features.config import features_from_mapping
-
-            kwargs["features"] = features_from_mapping(value, where)
-            continue
-        f = _FIELDS.get(key)
-        if f is None:
-            raise UserError(f"{where}: unknown key {key!r}")
-        default = f.default
-        if value is not None and default is not None and default is not dataclasses.MISSING:
-            want = type(default)
-            if want is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            if not isinstance(value, want) or isinstance(value, bool) != isinstance(default, bool):
-                raise UserError(f"{where}: {key} must be a {want.__name__}, got {value!r}")
-            if want in (int, float) and not isinstance(value, bool) and not 0 <= value < float("inf"):
-                raise UserError(f"{where}: {key} must be a finite number >= 0, got {value!r}")
-            if key == "port" and value > 65535:
-                raise UserError(f"{where}: port must be in 0..65535, got {value}")
-        kwargs[key] = value
-    kwargs.setdefault("backends", ())
-    return RouterConfig(**kwargs)
-
-
-def load_config_file(path: str | Path) -> RouterConfig:
-    """Read a YAML config file (see the module docstring). Raises :class:`UserError` on any problem."""
-    import yaml
-
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise UserError(f"cannot read config {p}: {exc.strerror or exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise UserError(f"{p}: invalid YAML: {exc}") from None
-    return config_from_mapping(data or {}, str(p))

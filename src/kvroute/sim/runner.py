@@ -5,20 +5,35 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvroute.errors import UserError
+from kvroute.features.settings import FeatureConfig
 
 SAMPLE_POINTS = 2000
 """Most per-request points ``run_spec`` returns per metric with ``keep_samples`` (evenly spaced quantiles)."""
 
 
 @dataclass(frozen=True, slots=True)
+class SimScenario:
+    """The simulated cluster's side of the production features, which the live router does not set:
+    ``scale_out`` = ((time s, instances joining), ...); the last ``spot_instances`` initial instances
+    carry the tag ``spot``; ``by_class``: report latencies per request class (also on with classes)."""
+
+    scale_out: tuple[tuple[float, int], ...] = ()
+    spot_instances: int = 0
+    by_class: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class RunSpec:
     """Everything that defines a run. Exactly one of ``trace``/``workload``; exactly one (or none:
     the default profile) of ``profile``/``profile_dir``. ``kv_tokens`` overrides the profile's KV
-    capacity per instance (tokens). Times in seconds."""
+    capacity per instance (tokens). Times in seconds. ``features``: the router's production features
+    (the same settings the live router takes); ``scenario``: what happens to the simulated cluster.
+    `kvroute sim` builds one from its flags (:mod:`kvroute.commands.settings`, which also writes the
+    command that reproduces it)."""
 
     policy: str = "lmetric"
     instances: int = 16
@@ -38,59 +53,11 @@ class RunSpec:
     kv_view: str = "exact"
     scrape_interval: float = 0.05
     event_delay: float = 0.002
-    # Production features (kvroute.features, `kvroute sim` flags of the same names; all off by default).
-    hotspot_mitigation: bool = False
-    hotspot_class_tokens: int = 128
-    hotspot_window: float = 60.0
-    cold_start: bool = False
-    cold_start_window: float = 300.0
-    cold_start_cap: str = "admit"  # admit | score | none
-    scale_out: tuple[tuple[float, int], ...] = ()  # (time s, instances joining)
-    score_monitor: bool = False
-    load_adaptive: float | None = None  # BS exponent above load_threshold; None: off
-    load_threshold: float = 0.7
-    classes: bool = False
-    class_weights: tuple[tuple[str, float], ...] = ()
-    by_class: bool = False
-    p_token_cap: int | None = None
-    spot_instances: int = 0
-    spot_max_tokens: int | None = None
-    quota: tuple[float, float] | None = None  # (tokens per s, burst tokens) per user
+    features: FeatureConfig = field(default_factory=FeatureConfig)
+    scenario: SimScenario = SimScenario()
     # Opt-in: also return ``out["samples"]`` (TTFT/TPOT quantile points in ms, at most
     # ``SAMPLE_POINTS``) for CDF plots. Not a `kvroute sim` flag; it does not change the run.
     keep_samples: bool = False
-
-    def command_line(self) -> str:
-        """The `kvroute sim` command that reproduces this run."""
-        parts = ["kvroute sim"]
-        parts.append(f"--trace {self.trace}" if self.trace else f"--workload {self.workload}")
-        if self.fmt != "auto":
-            parts.append(f"--format {self.fmt}")
-        if self.duration:
-            parts.append(f"--duration {self.duration:g}")
-        if self.rate_scale != 1.0:
-            parts.append(f"--rate-scale {self.rate_scale:g}")
-        parts += [f"--instances {self.instances}", f"--policy {self.policy}"]
-        defaults = RunSpec()
-        for name in (
-            "seed",
-            "profile",
-            "profile_dir",
-            "tp",
-            "kv_tokens",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "kv_view",
-            "scrape_interval",
-            "event_delay",
-        ):
-            value = getattr(self, name)
-            if value != getattr(defaults, name):
-                parts.append(f"--{name.replace('_', '-')} {value}")
-        from kvroute.features.flags import feature_command_flags
-
-        parts += feature_command_flags(self)
-        return " ".join(parts)
 
 
 def load_profile(spec: RunSpec) -> Any:
@@ -105,8 +72,8 @@ def load_profile(spec: RunSpec) -> Any:
 
 def run_spec(spec: RunSpec, progress: Callable[[float, int, int], None] | None = None) -> dict[str, Any]:
     """Run one simulation; returns the contract's summary dict plus ``profile``, ``workload``,
-    ``rate_scale``, ``skipped_lines`` and ``command`` (and ``samples`` with ``spec.keep_samples``)."""
-    from kvroute.features.flags import features_from_spec
+    ``rate_scale`` and ``skipped_lines`` (and ``samples`` with ``spec.keep_samples``). The command line
+    that reproduces it is the CLI's to write (:func:`kvroute.commands.settings.sim_command`)."""
     from kvroute.metrics import quantile_points_ms
     from kvroute.routing.core import build_policy
     from kvroute.sim.cluster import ClusterSim, SimConfig
@@ -124,12 +91,12 @@ def run_spec(spec: RunSpec, progress: Callable[[float, int, int], None] | None =
         scrape_interval=spec.scrape_interval,
         event_delay=spec.event_delay,
         seed=spec.seed,
-        scale_out=spec.scale_out,
-        spot_instances=spec.spot_instances,
-        by_class=spec.by_class or spec.classes or bool(spec.class_weights),
+        scale_out=spec.scenario.scale_out,
+        spot_instances=spec.scenario.spot_instances,
+        by_class=spec.scenario.by_class or spec.features.classes is not None,
     )
     cfg.check()
-    policy = build_policy(spec.policy, features_from_spec(spec), random.Random(spec.seed))
+    policy = build_policy(spec.policy, spec.features.check(), random.Random(spec.seed))
     stream, stats = open_workload(
         spec.trace, spec.fmt, spec.workload, spec.rate_scale, spec.duration, spec.seed, spec.skip_bad_lines
     )
@@ -144,5 +111,4 @@ def run_spec(spec: RunSpec, progress: Callable[[float, int, int], None] | None =
     out["workload"] = spec.trace or spec.workload
     out["rate_scale"] = spec.rate_scale
     out["skipped_lines"] = stats.bad_lines
-    out["command"] = spec.command_line()
     return out

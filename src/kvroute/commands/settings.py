@@ -1,0 +1,666 @@
+"""The one place that maps command-line flags and YAML onto the features' settings and the router's
+config: the feature flags shared by `kvroute sim`, `kvroute compare`, `kvroute serve` and `kvroute up`,
+the YAML ``features:`` section, the router's YAML file, and the flags that reproduce a run.
+
+Each feature's frozen settings class lives with the feature (:mod:`kvroute.features`); which are on is
+:class:`~kvroute.features.settings.FeatureConfig`. Types and defaults come from those dataclasses' fields;
+the only table here, :data:`FLAGS`, spells which flag sets which field, and adding the arguments,
+parsing them and writing them back out are all driven by it.
+
+Feature flags (every flag defaults to off; a feature's sub-flags only matter while it is on):
+
+- ``--hotspot-mitigation`` [``--hotspot-class-tokens N``, ``--hotspot-window S``];
+- ``--cold-start`` [``--cold-start-cap admit|score|none``, ``--cold-start-window S``];
+- ``--score-monitor``;
+- ``--load-adaptive [W]`` [``--load-threshold X``];
+- ``--classes``, ``--class-weight CLASS=W`` (either turns classes on);
+- ``--p-token-cap N``, ``--spot-max-tokens N`` (limits);
+- ``--quota RATE:BURST``;
+- ``--feature-setting FEATURE.FIELD=VALUE``: any other field of a feature that is on, e.g.
+  ``hotspot.top_k=3`` (the YAML key names and types);
+- simulation only (`sim`, `compare`): ``--scale-out T:N``, ``--spot-instances N``, ``--by-class``.
+
+With a config file (`serve`, `up`), a feature's on-flag replaces that feature's section of the file;
+the limits flags change only the limit they name.
+
+YAML (every key optional; ``true`` turns a feature on with its defaults, a mapping sets fields)::
+
+    features:
+      hotspot: {window_s: 60, top_k: 5, class_tokens: 128, mitigate: true}
+      cold_start: {window_s: 300, cap_mode: admit, preload_prefixes: 4}
+      monitor: {window: 2000, quantile: 0.95, persist: 20}
+      load_adaptive: {threshold: 0.7, bs_weight: 0.5, seq_capacity: 256}
+      classes:
+        weights: {ttft: 0.5, tpot: 2.0}
+        users: {batch-bot: tpot}            # user field → class
+        models: {my-chat-model: ttft}       # model → class
+      limits: {p_token_cap: 16384, spot_max_tokens: 4096}   # spot: backends with tags: [spot]
+      quota: {tokens_per_s: 2000, burst: 20000, key: user}  # key: user | api_key
+
+The router's YAML file (``backends``, ``policy``, ..., ``features``) is read by
+:func:`load_config_file`; its layout is in :mod:`kvroute.server.config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvroute.errors import UserError
+from kvroute.features.classes import ClassConfig
+from kvroute.features.limits import QuotaConfig
+from kvroute.features.settings import FeatureConfig
+from kvroute.server.config import BackendSpec, RouterConfig, parse_backend_url
+from kvroute.sim.runner import RunSpec, SimScenario
+
+__all__ = [
+    "FLAGS",
+    "add_feature_arguments",
+    "config_from_mapping",
+    "feature_flags",
+    "features_from_args",
+    "features_from_mapping",
+    "load_config_file",
+    "parse_class_weight",
+    "parse_quota",
+    "parse_scale_out",
+    "scenario_flags",
+    "scenario_from_args",
+    "sim_command",
+]
+
+
+# ------------------------------------------------------------------------------------ value parsers
+
+
+def parse_scale_out(text: str) -> tuple[float, int]:
+    """``T:N`` → (seconds, instances); UserError when malformed."""
+    t, sep, n = text.partition(":")
+    try:
+        when, count = float(t), int(n)
+    except ValueError:
+        raise UserError(f"--scale-out {text!r}: expected T:N, e.g. 300:4") from None
+    if not sep or not when >= 0 or count < 1:
+        raise UserError(f"--scale-out {text!r}: T must be >= 0 seconds and N >= 1 instances")
+    return when, count
+
+
+def parse_quota(text: str) -> tuple[float, float]:
+    """``RATE:BURST`` (tokens/s, tokens) → floats; UserError when malformed."""
+    r, sep, b = text.partition(":")
+    try:
+        rate, burst = float(r), float(b)
+    except ValueError:
+        raise UserError(f"--quota {text!r}: expected TOKENS_PER_S:BURST, e.g. 2000:20000") from None
+    if not sep or not rate > 0 or not burst > 0:
+        raise UserError(f"--quota {text!r}: rate and burst must be > 0")
+    return rate, burst
+
+
+def parse_class_weight(text: str) -> tuple[str, float]:
+    """``CLASS=W`` → (class, BS exponent)."""
+    c, sep, w = text.partition("=")
+    try:
+        weight = float(w)
+    except ValueError:
+        raise UserError(f"--class-weight {text!r}: expected CLASS=WEIGHT, e.g. ttft=0.5") from None
+    if not sep or not c or not weight >= 0:
+        raise UserError(f"--class-weight {text!r}: a class name and a weight >= 0")
+    return c, weight
+
+
+def _num(x: float) -> str:
+    """A number as a flag value: short (``30``, ``0.7``) where that is exact, else ``repr``."""
+    short = f"{x:g}"
+    return short if float(short) == x else repr(float(x))
+
+
+# ------------------------------------------------------------------------------ settings classes
+
+
+def _feature_classes() -> dict[str, type]:
+    """FeatureConfig field → the feature's settings class (from the ``X | None`` annotations)."""
+    hints = typing.get_type_hints(FeatureConfig)
+    out = {}
+    for f in dataclasses.fields(FeatureConfig):
+        (cls,) = (a for a in typing.get_args(hints[f.name]) if a is not type(None))
+        out[f.name] = cls
+    return out
+
+
+FEATURES: dict[str, type] = _feature_classes()
+"""FeatureConfig field name → settings class, derived from :class:`FeatureConfig` itself."""
+
+
+def _field(cls: type, name: str) -> dataclasses.Field[Any]:
+    return next(f for f in dataclasses.fields(cls) if f.name == name)
+
+
+def _default(cls: type, name: str) -> Any:
+    return _field(cls, name).default
+
+
+# ------------------------------------------------------------------------------------- the flags
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """One feature flag: ``--flag`` sets ``feature``'s ``field`` (its type and default come from the
+    settings class). ``switch``: the flag turns the feature on (``field`` None: a plain on-switch)."""
+
+    flag: str
+    feature: str
+    field: str | None = None
+    switch: bool = False
+    help: str = ""
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("--hotspot-mitigation", "hotspot", switch=True, help="KV hot-spot detection and mitigation"),
+    Flag(
+        "--hotspot-class-tokens", "hotspot", "class_tokens", metavar="N", help="prefix-class length, tokens"
+    ),
+    Flag("--hotspot-window", "hotspot", "window_s", metavar="S", help="hot-spot window, seconds"),
+    Flag("--cold-start", "cold_start", switch=True, help="warming instances: BS cap, +10 P-token, preload"),
+    Flag("--cold-start-window", "cold_start", "window_s", metavar="S", help="warming window, seconds"),
+    Flag(
+        "--cold-start-cap",
+        "cold_start",
+        "cap_mode",
+        choices=("admit", "score", "none"),
+        help="BS cap of warming instances: admit (not chosen above it), score (BS in the score capped), none",
+    ),
+    Flag("--score-monitor", "monitor", switch=True, help="P-token×BS histogram, rolling p95 alert"),
+    Flag(
+        "--load-adaptive",
+        "load_adaptive",
+        "bs_weight",
+        switch=True,
+        metavar="W",
+        help="above --load-threshold use score P×(BS+1)^W",
+    ),
+    Flag("--load-threshold", "load_adaptive", "threshold", metavar="X", help="cluster load threshold"),
+    Flag("--classes", "classes", switch=True, help="request classes with per-class BS weights"),
+    Flag(
+        "--p-token-cap",
+        "limits",
+        "p_token_cap",
+        switch=True,
+        metavar="N",
+        help="avoid instances with P-token above N",
+    ),
+    Flag(
+        "--spot-max-tokens",
+        "limits",
+        "spot_max_tokens",
+        switch=True,
+        metavar="N",
+        help="keep requests longer than this off spot instances",
+    ),
+)
+"""The feature flags with a value of their own; ``--class-weight``, ``--quota`` and
+``--feature-setting`` have composite values and are handled beside them."""
+
+_BY_FEATURE: dict[str, list[Flag]] = {}
+for _f in FLAGS:
+    _BY_FEATURE.setdefault(_f.feature, []).append(_f)
+
+
+def _flag_type(cls: type, name: str) -> Callable[[str], Any]:
+    default = _default(cls, name)
+    if isinstance(default, bool):
+        raise TypeError(f"{cls.__name__}.{name}: a bool field has no value flag")
+    if default is None:  # the limits: ``int | None``
+        return int
+    return type(default)
+
+
+def add_feature_arguments(p: argparse.ArgumentParser, simulation: bool = False) -> None:
+    """The feature flags (see the module docstring); ``simulation`` adds the simulator-only ones."""
+    g = p.add_argument_group("production features (all off by default; also the config's 'features')")
+    for f in FLAGS:
+        cls = FEATURES[f.feature]
+        if f.field is None:
+            g.add_argument(f.flag, action="store_true", help=f.help)
+            continue
+        default = _default(cls, f.field)
+        shown = f" ({default})" if default is not None else ""
+        if f.switch and default is not None:  # --load-adaptive [W]
+            g.add_argument(
+                f.flag,
+                type=_flag_type(cls, f.field),
+                nargs="?",
+                const=default,
+                default=None,
+                metavar=f.metavar,
+                help=f"{f.help} (W default {default})",
+            )
+        else:
+            g.add_argument(
+                f.flag,
+                type=_flag_type(cls, f.field),
+                choices=f.choices,
+                default=None,
+                metavar=f.metavar,
+                help=f.help + shown,
+            )
+    g.add_argument(
+        "--class-weight", action="append", default=[], metavar="CLASS=W", help="BS exponent of a class"
+    )
+    g.add_argument(
+        "--quota", default=None, metavar="RATE:BURST", help="per-user token bucket (tokens/s:tokens)"
+    )
+    g.add_argument(
+        "--feature-setting",
+        action="append",
+        default=[],
+        metavar="FEATURE.FIELD=VALUE",
+        help="any other setting of a feature that is on, by its YAML name, e.g. hotspot.top_k=3",
+    )
+    if simulation:
+        s = p.add_argument_group("simulated cluster")
+        s.add_argument(
+            "--scale-out", action="append", default=[], metavar="T:N", help="N instances join at T seconds"
+        )
+        s.add_argument("--spot-instances", type=int, default=0, help="tag the last N initial instances spot")
+        s.add_argument("--by-class", action="store_true", help="report latencies per request class")
+
+
+def _on(args: argparse.Namespace, feature: str) -> bool:
+    """Does a flag turn ``feature`` on?"""
+    if feature == "classes" and getattr(args, "class_weight", []):
+        return True
+    if feature == "quota":
+        return bool(getattr(args, "quota", None))
+    return any(
+        (getattr(args, f.dest, None) is not None and getattr(args, f.dest, None) is not False)
+        for f in _BY_FEATURE.get(feature, [])
+        if f.switch
+    )
+
+
+def _setting_value(cls: type, name: str, text: str, where: str) -> Any:
+    """``text`` as the type of ``cls.name`` (its default's type; bools: true/false), checked like YAML."""
+    f = next((f for f in dataclasses.fields(cls) if f.name == name), None)
+    value: Any = text
+    if f is not None and f.default is not dataclasses.MISSING and not isinstance(f.default, str):
+        if text in ("true", "false"):
+            value = text == "true"
+        elif text in ("none", "null"):
+            value = None
+        else:
+            for convert in (int, float):
+                try:
+                    value = convert(text)
+                    break
+                except ValueError:
+                    pass
+    return _typed(cls, {name: value}, where)[name]
+
+
+def _feature_settings(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """``--feature-setting FEATURE.FIELD=VALUE`` → {feature: {field: value}}."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in getattr(args, "feature_setting", []) or []:
+        key, sep, text = item.partition("=")
+        feature, dot, name = key.partition(".")
+        where = f"--feature-setting {item!r}"
+        if not sep or not dot:
+            raise UserError(f"{where}: expected FEATURE.FIELD=VALUE, e.g. hotspot.top_k=3")
+        cls = FEATURES.get(feature)
+        if cls is None:
+            raise UserError(f"{where}: unknown feature {feature!r}; known: {', '.join(FEATURES)}")
+        if feature == "classes":
+            raise UserError(
+                f"{where}: classes are set with --class-weight (users and models: the config file)"
+            )
+        out.setdefault(feature, {})[name] = _setting_value(cls, name, text, where)
+    return out
+
+
+def _from_flags(args: argparse.Namespace, feature: str, start: Any) -> Any:
+    """``start`` (or the defaults) with the feature's flags applied."""
+    cls = FEATURES[feature]
+    changes: dict[str, Any] = {}
+    for f in _BY_FEATURE.get(feature, []):
+        value = getattr(args, f.dest, None)
+        if f.field is not None and value is not None:
+            changes[f.field] = value
+    if feature == "classes":
+        weights = dict(ClassConfig().weights)
+        weights.update(parse_class_weight(s) for s in getattr(args, "class_weight", []))
+        changes["weights"] = tuple(weights.items())
+    if feature == "quota":
+        rate, burst = parse_quota(args.quota)
+        changes.update(tokens_per_s=rate, burst=burst)
+        return QuotaConfig(**changes) if start is None else dataclasses.replace(start, **changes)
+    return dataclasses.replace(start if start is not None else cls(), **changes)
+
+
+def features_from_args(
+    args: argparse.Namespace, base: FeatureConfig | None = None, *, seq_capacity: int | None = None
+) -> FeatureConfig:
+    """The features the flags ask for, on top of ``base`` (from a config file): a feature turned on
+    by a flag replaces its section of ``base`` (the limits: only the limit named); ``--feature-setting``
+    then changes fields of features that are on. ``seq_capacity``: the default of
+    ``load_adaptive.seq_capacity`` (the simulator: its engines' ``max_num_seqs``). Flags a command does
+    not have count as absent."""
+    out = base or FeatureConfig()
+    changes: dict[str, Any] = {}
+    for feature in FEATURES:
+        if not _on(args, feature):
+            continue
+        start = getattr(out, feature) if feature == "limits" else None
+        if feature == "load_adaptive" and seq_capacity is not None:
+            start = FEATURES[feature](seq_capacity=seq_capacity)
+        changes[feature] = _from_flags(args, feature, start)
+    out = dataclasses.replace(out, **changes)
+    for feature, fields in _feature_settings(args).items():
+        current = getattr(out, feature)
+        if current is None:
+            raise UserError(
+                f"--feature-setting {feature}.{next(iter(fields))}: the feature {feature} is not on"
+            )
+        out = dataclasses.replace(out, **{feature: dataclasses.replace(current, **fields)})
+    return out.check()
+
+
+def _unflagged(feature: str, value: Any, baseline: Any) -> Iterator[str]:
+    """``--feature-setting`` flags for fields that differ from ``baseline`` and have no flag."""
+    flagged = {f.field for f in _BY_FEATURE.get(feature, []) if f.field is not None}
+    for f in dataclasses.fields(value):
+        v = getattr(value, f.name)
+        if f.name in flagged or v == getattr(baseline, f.name):
+            continue
+        if isinstance(v, bool):
+            text = "true" if v else "false"
+        elif isinstance(v, int | float):
+            text = _num(v) if isinstance(v, float) else str(v)
+        elif isinstance(v, str):
+            text = v
+        else:
+            raise ValueError(f"{feature}.{f.name}={v!r} has no flag (set it in a config file)")
+        yield f"--feature-setting {feature}.{f.name}={text}"
+
+
+def _class_flags(classes: ClassConfig) -> list[str]:
+    base = ClassConfig()
+    if classes.users != base.users or classes.models != base.models:
+        raise ValueError("classes.users and classes.models have no flags (set them in a config file)")
+    weights = dict(base.weights)
+    extra = [(c, w) for c, w in classes.weights if weights.get(c) != w]
+    weights.update(extra)
+    if tuple(weights.items()) != classes.weights:
+        raise ValueError(f"class weights {classes.weights!r} are not the defaults plus --class-weight flags")
+    if not extra:
+        return ["--classes"]
+    return [f"--class-weight {c}={_num(w)}" for c, w in extra]
+
+
+def feature_flags(features: FeatureConfig, *, seq_capacity: int | None = None) -> list[str]:
+    """The flags that reproduce ``features`` through :func:`features_from_args` (with the same
+    ``seq_capacity``); defaults are left out. ValueError for settings no flag can express
+    (class users and models: config file only)."""
+    parts: list[str] = []
+    for feature, cls in FEATURES.items():
+        value = getattr(features, feature)
+        if value is None:
+            continue
+        if feature == "classes":
+            parts += _class_flags(value)
+            continue
+        if feature == "quota":
+            parts.append(f"--quota {_num(value.tokens_per_s)}:{_num(value.burst)}")
+            parts += _unflagged(feature, value, QuotaConfig(value.tokens_per_s, value.burst))
+            continue
+        baseline = cls()
+        if feature == "load_adaptive" and seq_capacity is not None:
+            baseline = cls(seq_capacity=seq_capacity)
+        flags = _BY_FEATURE[feature]
+        if any(f.switch and f.field is None for f in flags):
+            parts.append(next(f.flag for f in flags if f.switch and f.field is None))
+        for f in flags:
+            if f.field is None:
+                continue
+            v = getattr(value, f.field)
+            if f.switch and _default(cls, f.field) is not None:  # --load-adaptive W: always written
+                parts.append(f"{f.flag} {_num(v)}")
+            elif v != getattr(baseline, f.field):
+                parts.append(f"{f.flag} {_num(v) if isinstance(v, float) else v}")
+        parts += _unflagged(feature, value, baseline)
+    return parts
+
+
+# ------------------------------------------------------------------------------ simulated cluster
+
+
+def scenario_from_args(args: argparse.Namespace) -> SimScenario:
+    """The simulator-only settings (absent flags → defaults)."""
+    return SimScenario(
+        scale_out=tuple(parse_scale_out(s) for s in getattr(args, "scale_out", [])),
+        spot_instances=getattr(args, "spot_instances", 0),
+        by_class=getattr(args, "by_class", False),
+    )
+
+
+def scenario_flags(scenario: SimScenario) -> list[str]:
+    parts = [f"--scale-out {_num(t)}:{n}" for t, n in scenario.scale_out]
+    if scenario.spot_instances:
+        parts.append(f"--spot-instances {scenario.spot_instances}")
+    if scenario.by_class:
+        parts.append("--by-class")
+    return parts
+
+
+_SIM_FLAGS = (
+    "seed",
+    "profile",
+    "profile_dir",
+    "tp",
+    "kv_tokens",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "kv_view",
+    "scrape_interval",
+    "event_delay",
+)
+
+
+def sim_command(spec: RunSpec) -> str:
+    """The `kvroute sim` command that reproduces ``spec``."""
+    parts = ["kvroute sim"]
+    parts.append(f"--trace {spec.trace}" if spec.trace else f"--workload {spec.workload}")
+    if spec.fmt != "auto":
+        parts.append(f"--format {spec.fmt}")
+    if spec.duration:
+        parts.append(f"--duration {spec.duration:g}")
+    if spec.rate_scale != 1.0:
+        parts.append(f"--rate-scale {spec.rate_scale:g}")
+    parts += [f"--instances {spec.instances}", f"--policy {spec.policy}"]
+    defaults = RunSpec()
+    for name in _SIM_FLAGS:
+        value = getattr(spec, name)
+        if value != getattr(defaults, name):
+            parts.append(f"--{name.replace('_', '-')} {value}")
+    parts += feature_flags(spec.features, seq_capacity=spec.max_num_seqs)
+    parts += scenario_flags(spec.scenario)
+    return " ".join(parts)
+
+
+# ------------------------------------------------------------------------------ YAML: features
+
+
+def _typed(cls: type, data: Mapping[str, Any], where: str) -> Any:
+    """Keyword arguments for ``cls`` from ``data``, type-checked against the fields' defaults."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        f = fields.get(key)
+        if f is None:
+            raise UserError(f"{where}: unknown key {key!r}; known: {', '.join(fields)}")
+        default = f.default
+        if default is not None and default is not dataclasses.MISSING and value is not None:
+            want = type(default)
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, want) or isinstance(value, bool) != isinstance(default, bool):
+                raise UserError(f"{where}: {key} must be a {want.__name__}, got {value!r}")
+        elif value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise UserError(f"{where}: {key} must be a number, got {value!r}")
+        kwargs[key] = value
+    return kwargs
+
+
+def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
+    try:
+        return cls(**_typed(cls, data, where))
+    except TypeError as exc:
+        raise UserError(f"{where}: {exc}") from None
+
+
+def _pairs(value: Any, where: str, convert: type) -> tuple[tuple[str, Any], ...]:
+    if not isinstance(value, Mapping):
+        raise UserError(f"{where} must be a mapping")
+    out = []
+    for k, v in value.items():
+        if convert is float and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        if not isinstance(k, str) or not isinstance(v, convert) or isinstance(v, bool):
+            raise UserError(f"{where}: {k!r}: {v!r} is not a {convert.__name__}")
+        out.append((k, v))
+    return tuple(out)
+
+
+def _classes(value: Any, where: str) -> ClassConfig:
+    if value is True:
+        return ClassConfig()
+    if not isinstance(value, Mapping):
+        raise UserError(f"{where} must be true or a mapping")
+    unknown = set(value) - {f.name for f in dataclasses.fields(ClassConfig)}
+    if unknown:
+        raise UserError(f"{where}: unknown keys {sorted(unknown)}")
+    weights = dict(ClassConfig().weights)
+    if "weights" in value:
+        weights.update(_pairs(value["weights"], f"{where}.weights", float))
+    return ClassConfig(
+        weights=tuple(weights.items()),
+        users=_pairs(value.get("users", {}), f"{where}.users", str),
+        models=_pairs(value.get("models", {}), f"{where}.models", str),
+    )
+
+
+def features_from_mapping(data: Any, where: str = "config") -> FeatureConfig:
+    """The ``features`` section → :class:`FeatureConfig`; raises :class:`UserError` naming the bad key."""
+    where = f"{where}: features"
+    if data is None:
+        return FeatureConfig()
+    if not isinstance(data, Mapping):
+        raise UserError(f"{where} must be a mapping")
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if value is False or value is None:
+            continue
+        sub = f"{where}.{key}"
+        cls = FEATURES.get(key)
+        if cls is None:
+            raise UserError(f"{where}: unknown feature {key!r}; known: {', '.join(FEATURES)}")
+        if cls is ClassConfig:
+            kwargs[key] = _classes(value, sub)
+        elif cls is QuotaConfig:  # no defaults for the rate and the burst
+            if not isinstance(value, Mapping):
+                raise UserError(f"{sub} needs tokens_per_s and burst")
+            kwargs[key] = _build(cls, value, sub)
+        elif value is True:
+            kwargs[key] = cls()
+        elif isinstance(value, Mapping):
+            kwargs[key] = _build(cls, value, sub)
+        else:
+            raise UserError(f"{sub} must be true or a mapping")
+    return FeatureConfig(**kwargs).check()
+
+
+# ----------------------------------------------------------------------------- YAML: router file
+
+
+def _backend_from(item: Any, where: str) -> BackendSpec:
+    if isinstance(item, str):
+        return BackendSpec(parse_backend_url(item))
+    if isinstance(item, Mapping):
+        unknown = set(item) - {f.name for f in dataclasses.fields(BackendSpec)}
+        if unknown:
+            raise UserError(f"{where}: unknown backend keys {sorted(unknown)}")
+        url = item.get("url")
+        if not isinstance(url, str):
+            raise UserError(f"{where}: a backend needs a string 'url'")
+        kv, rep = item.get("kv_events"), item.get("kv_replay")
+        for name, val in (("kv_events", kv), ("kv_replay", rep)):
+            if val is not None and not (isinstance(val, str) and val.startswith(("tcp://", "ipc://"))):
+                raise UserError(f"{where}: {name} must be a tcp:// or ipc:// endpoint")
+        tags = item.get("tags", [])
+        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+            raise UserError(f"{where}: a backend's tags must be a list of strings")
+        return BackendSpec(parse_backend_url(url), kv, rep, tuple(tags))
+    raise UserError(f"{where}: a backend is a URL string or a mapping with 'url'")
+
+
+_ROUTER_FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
+
+
+def config_from_mapping(data: Mapping[str, Any], where: str = "config") -> RouterConfig:
+    """Build a router config from a parsed YAML mapping; raise :class:`UserError` naming the bad key."""
+    if not isinstance(data, Mapping):
+        raise UserError(f"{where}: the top level must be a mapping")
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key == "backends":
+            if not isinstance(value, list):
+                raise UserError(f"{where}: 'backends' must be a list")
+            kwargs["backends"] = tuple(_backend_from(v, where) for v in value)
+            continue
+        if key == "features":
+            kwargs["features"] = features_from_mapping(value, where)
+            continue
+        f = _ROUTER_FIELDS.get(key)
+        if f is None:
+            raise UserError(f"{where}: unknown key {key!r}")
+        default = f.default
+        if value is not None and default is not None and default is not dataclasses.MISSING:
+            want = type(default)
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, want) or isinstance(value, bool) != isinstance(default, bool):
+                raise UserError(f"{where}: {key} must be a {want.__name__}, got {value!r}")
+            if want in (int, float) and not isinstance(value, bool) and not 0 <= value < float("inf"):
+                raise UserError(f"{where}: {key} must be a finite number >= 0, got {value!r}")
+            if key == "port" and value > 65535:
+                raise UserError(f"{where}: port must be in 0..65535, got {value}")
+        kwargs[key] = value
+    kwargs.setdefault("backends", ())
+    return RouterConfig(**kwargs)
+
+
+def load_config_file(path: str | Path) -> RouterConfig:
+    """Read a router YAML file (see the module docstring). Raises :class:`UserError` on any problem."""
+    import yaml
+
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"cannot read config {p}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise UserError(f"{p}: invalid YAML: {exc}") from None
+    return config_from_mapping(data or {}, str(p))

@@ -1,0 +1,207 @@
+"""The one flag set and YAML mapping of the features (kvroute.commands.settings): round trips, the
+flag set shared by sim, compare and serve, one-line errors naming the bad key."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pickle
+import shlex
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvroute.cli import build_parser, main
+from kvroute.commands.settings import (
+    FEATURES,
+    FLAGS,
+    add_feature_arguments,
+    feature_flags,
+    features_from_args,
+    features_from_mapping,
+    sim_command,
+)
+from kvroute.commands.sim import spec_from_args
+from kvroute.errors import UserError
+from kvroute.features.classes import ClassConfig
+from kvroute.features.coldstart import ColdStartConfig
+from kvroute.features.hotspot import HotspotConfig
+from kvroute.features.limits import LimitsConfig, QuotaConfig
+from kvroute.features.loadadapt import LoadAdaptiveConfig
+from kvroute.features.monitor import ScoreMonitorConfig
+from kvroute.features.settings import FeatureConfig
+from kvroute.sim.runner import RunSpec, SimScenario
+
+floats = st.floats(min_value=0.001, max_value=1e6, allow_nan=False, allow_infinity=False)
+fractions = st.floats(min_value=0.01, max_value=0.99)
+counts = st.integers(min_value=1, max_value=5000)
+
+hotspots = st.builds(
+    HotspotConfig,
+    window_s=floats,
+    top_k=counts,
+    class_tokens=counts,
+    streak_factor=floats,
+    min_window_requests=counts,
+    rank_interval_s=floats,
+    exclude_hot=st.booleans(),
+    mitigate=st.booleans(),
+)
+cold_starts = st.builds(
+    ColdStartConfig,
+    window_s=floats,
+    bs_cap_fraction=fractions,
+    p_token_offset=st.integers(0, 100),
+    preload_prefixes=st.integers(0, 10),
+    cap_mode=st.sampled_from(["admit", "score", "none"]),
+)
+monitors = st.builds(ScoreMonitorConfig, persist=counts, quantile=fractions)
+load_adaptives = st.builds(LoadAdaptiveConfig, threshold=fractions, bs_weight=floats, seq_capacity=counts)
+weights = st.dictionaries(st.sampled_from(["ttft", "tpot", "batch", "bulk"]), floats, max_size=3)
+classes = weights.map(lambda w: ClassConfig(weights=tuple(({**dict(ClassConfig().weights), **w}).items())))
+limits = st.builds(
+    LimitsConfig,
+    p_token_cap=st.none() | counts,
+    spot_max_tokens=st.none() | counts,
+    spot_tag=st.sampled_from(["spot", "preemptible"]),
+).filter(lambda lim: lim.active)
+quotas = st.builds(QuotaConfig, tokens_per_s=floats, burst=floats, key=st.sampled_from(["user", "api_key"]))
+feature_configs = st.builds(
+    FeatureConfig,
+    hotspot=st.none() | hotspots,
+    cold_start=st.none() | cold_starts,
+    monitor=st.none() | monitors,
+    load_adaptive=st.none() | load_adaptives,
+    classes=st.none() | classes,
+    limits=st.none() | limits,
+    quota=st.none() | quotas,
+)
+
+
+def _parser(simulation: bool = False) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_feature_arguments(p, simulation)
+    return p
+
+
+@settings(max_examples=200, deadline=None)
+@given(feature_configs, st.none() | counts)
+def test_feature_config_to_flags_and_back_is_the_same(features: FeatureConfig, capacity: int | None) -> None:
+    argv = shlex.split(" ".join(feature_flags(features, seq_capacity=capacity)))
+    assert features_from_args(_parser().parse_args(argv), seq_capacity=capacity) == features
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    feature_configs,
+    st.lists(st.tuples(st.floats(0, 1e4), st.integers(1, 8)), max_size=2),
+    st.integers(0, 4),
+    st.booleans(),
+    st.sampled_from([64, 256]),
+)
+def test_sim_command_parses_back_to_the_same_spec(
+    features: FeatureConfig, scale_out: list[tuple[float, int]], spot: int, by_class: bool, seqs: int
+) -> None:
+    if features.load_adaptive is not None:  # `kvroute sim` defaults the capacity to --max-num-seqs
+        la = dataclasses.replace(features.load_adaptive, seq_capacity=seqs)
+        features = dataclasses.replace(features, load_adaptive=la)
+    spec = RunSpec(
+        workload="coder",
+        instances=8,
+        max_num_seqs=seqs,
+        duration=12.5,
+        features=features,
+        scenario=SimScenario(tuple(scale_out), spot, by_class),
+    )
+    argv = shlex.split(sim_command(spec).removeprefix("kvroute "))
+    args = build_parser().parse_args(argv)
+    assert spec_from_args(args, args.policy) == spec
+
+
+def test_every_feature_has_flags_and_every_flag_a_field() -> None:
+    p = _parser()
+    for feature in FEATURES:  # each feature can be turned on from the command line
+        assert feature_flags(FeatureConfig(**{feature: _example(feature)}))
+    for f in FLAGS:
+        assert f.feature in FEATURES
+        if f.field is not None:
+            assert f.field in {x.name for x in dataclasses.fields(FEATURES[f.feature])}
+    assert p.parse_args([]).feature_setting == []
+
+
+def _example(feature: str) -> object:
+    return (
+        QuotaConfig(1.0, 2.0)
+        if feature == "quota"
+        else FEATURES[feature](**({"p_token_cap": 10} if feature == "limits" else {}))
+    )
+
+
+@pytest.mark.parametrize("command", ["sim", "compare", "serve", "up"])
+def test_sim_compare_serve_and_up_share_the_feature_flags(command: str) -> None:
+    sub = build_parser()._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+    flags = {s for a in sub._actions for s in a.option_strings}
+    shared = {f.flag for f in FLAGS} | {"--class-weight", "--quota", "--feature-setting"}
+    assert shared <= flags
+    simulated = {"--scale-out", "--spot-instances", "--by-class"}
+    assert (simulated <= flags) == (command in ("sim", "compare"))
+
+
+def test_serve_flags_change_only_the_features_they_name() -> None:
+    base = features_from_mapping(
+        {"hotspot": {"window_s": 10}, "limits": {"spot_max_tokens": 50}, "monitor": {"persist": 3}}
+    )
+    argv = ["--hotspot-mitigation", "--hotspot-window", "30", "--p-token-cap", "100"]
+    argv += ["--load-adaptive", "0.25", "--load-threshold", "0.5", "--feature-setting", "monitor.persist=7"]
+    f = features_from_args(_parser().parse_args(argv), base)
+    assert f.hotspot == HotspotConfig(window_s=30.0)  # replaced, then the sub-flag
+    assert f.limits == LimitsConfig(p_token_cap=100, spot_max_tokens=50)  # merged
+    assert f.load_adaptive == LoadAdaptiveConfig(threshold=0.5, bs_weight=0.25)
+    assert f.monitor == ScoreMonitorConfig(persist=7)
+
+
+def test_sub_flags_without_their_feature_change_nothing() -> None:
+    args = _parser().parse_args(
+        ["--hotspot-window", "30", "--cold-start-cap", "score", "--load-threshold", "0.2"]
+    )
+    assert features_from_args(args) == FeatureConfig()
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--feature-setting", "hotspot.top_k=3"], "the feature hotspot is not on"),
+        (["--hotspot-mitigation", "--feature-setting", "hotspot.topk=3"], "unknown key 'topk'"),
+        (["--hotspot-mitigation", "--feature-setting", "hotspot.top_k=lots"], "top_k must be a int"),
+        (["--feature-setting", "turbo.x=1"], "unknown feature 'turbo'"),
+        (["--feature-setting", "hotspot"], "expected FEATURE.FIELD=VALUE"),
+        (["--classes", "--feature-setting", "classes.users=x"], "--class-weight"),
+        (["--quota", "5"], "--quota '5'"),
+        (["--class-weight", "ttft"], "--class-weight 'ttft'"),
+        (["--cold-start", "--feature-setting", "cold_start.cap_mode=x"], "cap mode"),
+    ],
+)
+def test_bad_feature_flags_give_one_line_naming_the_flag(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(UserError) as exc:
+        features_from_args(_parser().parse_args(argv))
+    assert needle in str(exc.value) and "\n" not in str(exc.value)
+    assert main(["sim", "--workload", "coder", "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_settings_no_flag_can_express_are_refused() -> None:
+    with pytest.raises(ValueError, match="users"):
+        feature_flags(FeatureConfig(classes=ClassConfig(users=(("u", "ttft"),))))
+
+
+def test_run_spec_with_features_pickles() -> None:
+    spec = RunSpec(
+        workload="coder",
+        features=FeatureConfig(hotspot=HotspotConfig(top_k=2), quota=QuotaConfig(5.0, 9.0)),
+        scenario=SimScenario(scale_out=((3.0, 1),)),
+    )
+    assert pickle.loads(pickle.dumps(spec)) == spec and hash(spec) == hash(pickle.loads(pickle.dumps(spec)))

@@ -34,7 +34,9 @@ from pathlib import Path
 
 from kvroute.blocks import hash_blocks
 from kvroute.index import PrefixIndex
-from kvroute.views import InstanceView, RequestView
+from kvroute.routing.core import RouteRequest, RoutingCore
+from kvroute.routing.kvview import KVView
+from kvroute.views import InstanceView
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NUM_INSTANCES = 64
@@ -165,15 +167,16 @@ def main() -> int:
     gc.freeze()
     print(f"index: {len(index):,} blocks over {NUM_INSTANCES} instances, built in {build_s:.1f} s")
 
+    # The routing core over an exact KV view holding that index: what the router does per request.
+    kv = KVView(NUM_INSTANCES, BLOCK_SIZE, 1, None, 0.0, exact_backends=range(NUM_INSTANCES), rehash=False)
+    kv.exact = index
+    core = RoutingCore(policy, kv)
+    request = RouteRequest(tuple(chain), PROMPT_TOKENS)
+
     def route() -> int:
-        lengths = index.match(chain, NUM_INSTANCES)
-        request = RequestView(
-            prompt_tokens=PROMPT_TOKENS,
-            cached_tokens=tuple([n * BLOCK_SIZE for n in lengths]),
-            num_blocks=len(chain),
-            block_size=BLOCK_SIZE,
-        )
-        return policy.choose(request, instances).choice
+        chosen = core.route(request, instances, 0.0).instance
+        assert chosen is not None
+        return chosen
 
     lengths = index.match(chain, NUM_INSTANCES)
     walked = max(lengths)

@@ -62,14 +62,17 @@ class EngineHost:
         return self._wake
 
     def add(self, *reqs: EngineRequest) -> float:
-        """Add requests arriving now (together: they can join the same step) and return now.
-        Steps that ended before now complete first, so a request never joins a step that began
-        before it arrived; one ending exactly now completes after the requests are queued (they
-        join the next step). Raises ValueError from the model (then the rest are not added)."""
+        """Add requests arriving now and return now. Steps that ended before now complete first,
+        so a request never joins a step that began before it arrived; a step ending exactly now
+        completes after all of ``reqs`` are queued, so they all join the step that starts now.
+        Raises ValueError from the model (then the rest are not added)."""
         now = self.clock.now()
-        self._catch_up(now)
+        eng = self.engine
+        nt = eng.next_time()
+        if nt is not None and nt < now:
+            self._catch_up(now)
         try:
-            add_request = self.engine.add_request
+            add_request = eng.add_request
             for req in reqs:
                 add_request(req, now)
         finally:
@@ -79,7 +82,9 @@ class EngineHost:
     def abort(self, req_id: ReqId) -> bool:
         """Abort a request now (frees its blocks); False if unknown or already ended."""
         now = self.clock.now()
-        self._catch_up(now)
+        nt = self.engine.next_time()
+        if nt is not None and nt < now:
+            self._catch_up(now)
         try:
             return self.engine.abort(req_id, now)
         finally:
@@ -93,11 +98,9 @@ class EngineHost:
 
     def _catch_up(self, now: float) -> None:
         """Complete the steps that ended strictly before ``now``."""
-        nt = self.engine.next_time()
-        if nt is not None and nt < now:
-            outs = self.engine.advance(math.nextafter(now, -math.inf))
-            if outs:
-                self.on_outputs(outs)
+        outs = self.engine.advance(math.nextafter(now, -math.inf))
+        if outs:
+            self.on_outputs(outs)
 
     def _run(self, now: float) -> None:
         """Advance to ``now``, hand on outputs and KV events, (re)schedule the wake-up."""

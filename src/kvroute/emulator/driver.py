@@ -1,23 +1,25 @@
 """Drives one :class:`~kvroute.engine.model.EngineModel` with the wall clock on asyncio.
 
-Model time (seconds) = (clock() − start) × ``time_scale``. One task sleeps until the wall time at
-which the model's step in progress ends (or until a request arrives or leaves), calls
-``advance``, hands each output to its request's queue, feeds the metrics and publishes the KV
-events. Requests join at the model time of their arrival: before adding one the driver first
-advances the model to that time, so a request never joins a step that began before it arrived.
-Model steps follow each other back to back in model time, so a busy event loop delays outputs on
-the wall clock but never stretches the modelled timeline.
+An :class:`~kvroute.engine.host.EngineHost` on a :class:`~kvroute.emulator.clock.WallClock`
+(model time = wall seconds since ``start`` × ``time_scale``) does the stepping: it wakes at the
+wall time at which the model's step in progress ends, advances the model, and hands the outputs
+here (each goes to its request's queue and feeds the metrics) and the KV events to ``publish``.
+Requests join at the model time of their arrival: the host first completes the steps that ended
+before it, so a request never joins a step that began before it arrived. Model steps follow each
+other back to back in model time, so a busy event loop delays outputs on the wall clock but never
+stretches the modelled timeline.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvroute.emulator.clock import WallClock
 from kvroute.emulator.metrics import EngineMetrics
+from kvroute.engine.host import EngineHost
 from kvroute.engine.model import EngineModel
 from kvroute.engine.types import EngineOutput, EngineRequest, KVEvent, OutputKind, ReqId
 
@@ -45,99 +47,57 @@ class EngineDriver:
         metrics: EngineMetrics | None = None,
         publish: Callable[[list[KVEvent]], object] | None = None,
     ) -> None:
-        if not time_scale > 0:
-            raise ValueError("time_scale must be positive")
         self.model = model
+        self.clock = WallClock(time_scale, clock)  # raises ValueError unless time_scale > 0
         self.time_scale = time_scale
-        self._clock = clock
         self._metrics = metrics
-        self._publish = publish
-        self._t0 = clock()
-        self._last = 0.0
         self._tracks: dict[ReqId, _Track] = {}
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self.host = EngineHost(model, self.clock, self._dispatch_all, publish)
 
-    # -- clock ---------------------------------------------------------------------------------
     def now(self) -> float:
         """Current model time in seconds (never decreases)."""
-        self._last = max(self._last, (self._clock() - self._t0) * self.time_scale)
-        return self._last
-
-    def _wall_delay(self, model_t: float) -> float:
-        """Wall seconds from now until model time ``model_t``."""
-        return self._t0 + model_t / self.time_scale - self._clock()
+        return self.clock.now()
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the stepping task on the running loop; model time 0 is now."""
-        self._t0 = self._clock()
-        self._last = 0.0
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvroute-engine-driver")
+        """Start stepping on the running loop; model time 0 is now."""
+        self.clock.start()
+        self.host.poll()
 
     async def stop(self) -> None:
         """Stop stepping; outstanding requests stay unanswered (their handlers are being closed)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        self.clock.close()
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, req: EngineRequest) -> asyncio.Queue[EngineOutput]:
         """Add a request now; its outputs (FIRST_TOKEN, TOKEN…, FINISHED or ABORTED; PREEMPTED when
         it happens) arrive on the returned queue. Raises ValueError from the model (e.g. duplicate id)."""
-        now = self.now()
-        self._advance(now)
-        self.model.add_request(req, now)
+        if req.req_id in self._tracks:
+            raise ValueError(f"duplicate request id {req.req_id!r}")
         q: asyncio.Queue[EngineOutput] = asyncio.Queue()
-        self._tracks[req.req_id] = _Track(q, now, req.prompt_len, now)
-        self._flush_events()
-        self._wake.set()
+        now = self.clock.now()
+        track = self._tracks[req.req_id] = _Track(q, now, req.prompt_len, now)
+        try:
+            track.arrival = track.last_time = self.host.add(req)
+        except ValueError:
+            del self._tracks[req.req_id]
+            raise
         return q
 
     def abort(self, req_id: ReqId) -> bool:
         """Abort a request (client gone): frees its blocks now. False if it already ended."""
         self._tracks.pop(req_id, None)
-        now = self.now()
-        self._advance(now)
-        done = self.model.abort(req_id, now)
-        self._flush_events()
-        self._wake.set()
-        return done
+        return self.host.abort(req_id)
 
     @property
     def active(self) -> int:
         """Requests submitted and not yet finished or aborted."""
         return len(self._tracks)
 
-    # -- stepping ------------------------------------------------------------------------------
-    async def _run(self) -> None:
-        while True:
-            self._wake.clear()
-            t = self.model.next_time()
-            if t is None:
-                await self._wake.wait()
-                continue
-            delay = self._wall_delay(t)
-            if delay > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), delay)
-                if self._wall_delay(t) > 1e-9:
-                    continue  # woken early by a request: re-plan
-            self._advance(max(self.now(), t))
-            await asyncio.sleep(0)  # let handlers run between steps even when the loop lags
-
-    def _advance(self, now: float) -> None:
-        self._last = max(self._last, now)
-        for out in self.model.advance(now):
+    # -- outputs -------------------------------------------------------------------------------
+    def _dispatch_all(self, outs: list[EngineOutput]) -> None:
+        for out in outs:
             self._dispatch(out)
-        self._flush_events()
-
-    def _flush_events(self) -> None:
-        events = self.model.take_events()
-        if events and self._publish is not None:
-            self._publish(events)
 
     def _dispatch(self, out: EngineOutput) -> None:
         track = self._tracks.get(out.req_id)

@@ -7,8 +7,9 @@ times in seconds. The model:
 - schedules each step like vLLM v1: running requests first (one decode token, or the next prefill
   chunk), then waiting requests while the token budget ``max_num_batched_tokens`` and the batch
   limit allow (chunked prefill);
-- admits a request with a prefix-cache lookup in its ``BlockPool`` (full blocks only; at least one
-  prompt token is always computed, as in vLLM);
+- admits a request with a prefix-cache lookup through its ``KVCacheManager``, which does all the
+  per-request KV block accounting over the ``BlockPool`` (full blocks only; at least one prompt token
+  is always computed, as in vLLM);
 - preempts by recompute (the last-admitted running request goes back to the front of the queue
   and loses its KV) when a running request cannot get a block;
 - asks a ``CostModel`` how long each step takes; a step's outputs happen at its end.
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 
 from kvroute.engine.kvcache import BlockPool
+from kvroute.engine.kvmanager import KVCacheManager, RequestBlocks
 from kvroute.engine.types import (
     CostModel,
     EngineConfig,
@@ -45,38 +47,35 @@ from kvroute.engine.types import (
     EngineRequest,
     EngineStats,
     KVEvent,
+    LoadSnapshot,
     OutputKind,
     ReqId,
 )
 
 
-class _Seq:
+class _Seq(RequestBlocks):
     """Mutable per-request state. ``computed``: tokens in KV; ``out``: output tokens produced;
     the request's known tokens are ``prompt_len + out``; it is decoding when ``computed`` is one
-    short of that, prefilling when further behind."""
+    short of that, prefilling when further behind. The KV blocks it holds (``held``, ``nblocks``)
+    are the ``KVCacheManager``'s record."""
 
     __slots__ = (
         "adm",
         "cached_tokens",
         "computed",
         "d0",
-        "held",
         "key",
         "known",
         "lazy",
-        "nblocks",
         "out",
-        "req",
         "stepping",
     )
 
     def __init__(self, req: EngineRequest) -> None:
-        self.req = req
+        super().__init__(req)
         self.computed = 0
         self.out = 0
         self.known = req.prompt_len  # prompt_len + out, kept in step with out
-        self.held: list[int] = []  # cached block hashes referenced (a prefix of req.block_hashes)
-        self.nblocks = 0  # blocks held: len(held) + private
         self.cached_tokens = 0
         self.stepping = False  # part of the step in progress (per-request path)
         self.adm = 0  # admission number: running order is increasing ``adm``
@@ -142,6 +141,7 @@ class _Cohort:
         seq.computed = c
         seq.out += delta
         seq.known += delta
+        # credit the blocks the engine allocated in bulk for it (KVCacheManager.allocate)
         seq.nblocks += (c + in_step + bs - 1) // bs - (c0 + bs - 1) // bs
         seq.lazy = False
         bucket = self.buckets[seq.key]
@@ -251,7 +251,7 @@ class EngineModel:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.config = config
         self.cost = cost
-        self.pool = BlockPool(config.num_kv_blocks, config.block_size)
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
         self._explicit: list[_Seq] = []  # running requests outside the cohort, in running order
@@ -261,8 +261,6 @@ class EngineModel:
         self._step: _Step | None = None
         self._outputs: list[EngineOutput] = []
         self._queued_prefill = 0  # tokens still to prefill over waiting + running
-        self._query_tokens = 0
-        self._hit_tokens = 0
         self._preemptions = 0
         self.version = 0  # changes whenever ``stats()`` may have (a cheap staleness test for copies)
 
@@ -332,35 +330,35 @@ class EngineModel:
 
     def take_events(self) -> list[KVEvent]:
         """KV events recorded since the last call, oldest first."""
-        ev, self.pool.events = self.pool.events, []
-        return ev
+        return self.kv.take_events()
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop the prefix cache (emits ``AllBlocksCleared``); refused while blocks are in use."""
-        self.version += 1
-        return self.pool.clear()
+    @property
+    def pool(self) -> BlockPool:
+        """The KV block pool (for inspection; only the ``KVCacheManager`` mutates it)."""
+        return self.kv.pool
 
     def stats(self) -> EngineStats:
-        pool = self.pool
+        kv = self.kv
+        used = kv.used_blocks
         return EngineStats(
             running=len(self._running),
             waiting=len(self._waiting),
-            num_kv_blocks=pool.num_blocks,
-            used_blocks=pool.used,
-            cached_blocks=len(pool.cached),
-            kv_usage=pool.used / pool.num_blocks,
+            num_kv_blocks=kv.num_blocks,
+            used_blocks=used,
+            cached_blocks=kv.cached_blocks,
+            kv_usage=used / kv.num_blocks,
             queued_prefill_tokens=self._queued_prefill,
-            prefix_query_tokens=self._query_tokens,
-            prefix_hit_tokens=self._hit_tokens,
+            prefix_query_tokens=kv.query_tokens,
+            prefix_hit_tokens=kv.hit_tokens,
             preemptions=self._preemptions,
         )
 
-    def load(self) -> tuple[int, int, int, float, int, int]:
-        """What a router copies of ``stats()``, cheaply: (running, waiting, queued_prefill_tokens,
-        kv_usage, num_kv_blocks, used_blocks)."""
-        pool = self.pool
+    def load(self) -> LoadSnapshot:
+        """What a router copies of ``stats()``, cheaply (a named tuple, in ``InstanceView``'s
+        names: ``kv_capacity_blocks`` is the pool size, ``decode_blocks`` the blocks in use)."""
+        pool = self.kv.pool
         used = pool.private + pool.referenced
-        return (
+        return LoadSnapshot(
             len(self._running),
             len(self._waiting),
             self._queued_prefill,
@@ -376,7 +374,7 @@ class EngineModel:
     def check(self) -> None:
         """Assert the model's invariants (for tests): the pool's, the running batch in admission
         order, the requests outside the cohort listed in that order, the cohort's counters."""
-        self.pool.check()
+        self.kv.check()
         running = self._running
         assert [s.adm for s in running] == sorted(s.adm for s in running)
         assert self._explicit == [s for s in running if not s.lazy]
@@ -436,7 +434,7 @@ class EngineModel:
         (a preemption)."""
         cohort = self._cohort
         assert cohort is not None
-        pool, bs = self.pool, self.config.block_size
+        kv, bs = self.kv, self.config.block_size
         budget = self.config.max_num_batched_tokens - cohort.n
         if budget < 0:
             return None
@@ -459,8 +457,8 @@ class EngineModel:
             work.append((seq, n))
             needs.append(need)
             budget -= n
-        if total > pool.free:
-            if total > pool.available:
+        if total > kv.free_blocks:
+            if total > kv.available_blocks:
                 return None  # a preemption: the per-request path handles it
             # evictions: allocate one request at a time in running order, as vLLM (one event each)
             if members:
@@ -468,17 +466,14 @@ class EngineModel:
                     [(s.adm, 1) for s in members]
                     + [(s.adm, k) for (s, _), k in zip(work, needs, strict=True) if k > 0]
                 )
-                for _, k in order:
-                    pool.allocate(k)
+                kv.allocate_each([k for _, k in order])
             else:  # ``explicit`` is in running order already
-                for k in needs:
-                    if k > 0:
-                        pool.allocate(k)
+                kv.allocate_each([k for k in needs if k > 0])
         elif total:
-            pool.allocate(total)
+            kv.allocate(total)
         for (seq, _), need in zip(work, needs, strict=True):
             if need > 0:
-                seq.nblocks += need
+                kv.credit(seq, need)
             seq.stepping = True
         self._admit(work, budget)
         return work
@@ -486,7 +481,7 @@ class EngineModel:
     def _schedule(self, now: float) -> tuple[list[tuple[_Seq, int]], bool]:
         """Pick this step's work one request at a time: running first, then waiting (vLLM v1
         order). With a cohort, only when it is empty."""
-        pool, bs = self.pool, self.config.block_size
+        allocate_slots = self.kv.allocate_slots
         budget = self.config.max_num_batched_tokens
         work: list[tuple[_Seq, int]] = []
         running = self._running
@@ -499,19 +494,16 @@ class EngineModel:
             n = seq.known - computed
             if n > budget:
                 n = budget
-            need = (computed + n + bs - 1) // bs - seq.nblocks
-            if need > 0:
-                lost = False
-                while not pool.allocate(need):
-                    victim = running.pop()
-                    self._preempt(victim, now)
-                    preempted = True
-                    if victim is seq:
-                        lost = True
-                        break
-                if lost:
+            lost = False
+            while not allocate_slots(seq, computed + n):
+                victim = running.pop()
+                self._preempt(victim, now)
+                preempted = True
+                if victim is seq:
+                    lost = True
                     break
-                seq.nblocks += need
+            if lost:
+                break
             seq.stepping = True
             append((seq, n))
             budget -= n
@@ -524,33 +516,21 @@ class EngineModel:
     def _admit(self, work: list[tuple[_Seq, int]], budget: int) -> None:
         """Admit waiting requests into the running batch while ``budget`` tokens and the batch
         limit allow, with a prefix-cache lookup; append them to ``work``."""
-        cfg, pool, bs = self.config, self.pool, self.config.block_size
+        kv, bs = self.kv, self.config.block_size
+        max_num_seqs = self.config.max_num_seqs
         running = self._running
         waiting = self._waiting
-        while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+        while waiting and budget > 0 and len(running) < max_num_seqs:
             seq = waiting[0]
-            req = seq.req
-            hashes = req.block_hashes
-            limit = (seq.known - 1) // bs  # always compute at least one token
-            hit, hit_evictable = (
-                pool.count_hits(hashes, limit) if cfg.enable_prefix_caching and hashes else (0, 0)
-            )
+            hit, hit_evictable = kv.lookup(seq, seq.known)
             computed = hit * bs
             n = min(seq.known - computed, budget)
-            need = -(-(computed + n) // bs) - hit
-            if need > pool.available - hit_evictable:
+            if not kv.admit(seq, hit, hit_evictable, computed + n, seq.out == 0):
                 break
             waiting.popleft()
             self._queued_prefill -= _pending(seq)
-            pool.acquire(hashes[:hit])
-            pool.allocate(need)
-            seq.held = list(hashes[:hit])
-            seq.nblocks = hit + need
             seq.computed = computed
             seq.cached_tokens = computed
-            if seq.out == 0:
-                self._query_tokens += req.prompt_len
-                self._hit_tokens += computed
             self._queued_prefill += _pending(seq)
             seq.stepping = True
             self._adm += 1
@@ -564,7 +544,7 @@ class EngineModel:
         """Extend a pure-decode step into a stretch of identical-batch steps (see module doc)."""
         if self._waiting and self._admissible():
             return
-        bs = self.pool.block_size
+        bs = self.config.block_size
         work = step.work
         cohort = self._cohort if step.cohort else None
         if cohort is not None and not cohort.n:
@@ -576,7 +556,7 @@ class EngineModel:
                 k = r
         if k < 2:
             return
-        free = self.pool.free
+        free = self.kv.free_blocks
 
         def blocks_for(steps: int) -> int:  # blocks needed beyond those held, after `steps` steps
             n = sum(max(-(-(seq.computed + steps) // bs) - seq.nblocks, 0) for seq, _ in work)
@@ -620,15 +600,13 @@ class EngineModel:
         """Whether the head of the waiting queue could be admitted in the next step."""
         if len(self._running) >= self.config.max_num_seqs:
             return False
-        seq, pool, bs = self._waiting[0], self.pool, self.pool.block_size
-        limit = (seq.known - 1) // bs
-        hit, hit_evictable = pool.count_hits(seq.req.block_hashes, limit) if seq.req.block_hashes else (0, 0)
         budget = self.config.max_num_batched_tokens - len(self._running)
         if budget <= 0:
             return False
-        n = min(seq.known - hit * bs, budget)
-        need = -(-(hit * bs + n) // bs) - hit
-        return need <= pool.available - hit_evictable
+        seq, kv = self._waiting[0], self.kv
+        hit, hit_evictable = kv.lookup(seq, seq.known)
+        computed = hit * self.config.block_size
+        return kv.fits(hit, hit_evictable, computed + min(seq.known - computed, budget))
 
     def _cut_stretch(self, now: float) -> None:
         """Shorten the stretch in progress so that it ends at the first step boundary >= now."""
@@ -653,13 +631,13 @@ class EngineModel:
     def _complete(self, step: _Step) -> None:
         steps = step.steps
         t = step.end
-        pool, bs = self.pool, self.pool.block_size
+        kv = self.kv
         outputs = self._outputs
         report = self.config.report_tokens
         cohort = self._cohort
         if step.cohort and cohort is not None and cohort.n:
             if steps > 1:  # blocks for the stretch's later steps (never evicting: see _plan_stretch)
-                pool.allocate(cohort.blocks_for(steps))
+                kv.allocate(cohort.blocks_for(steps))
             cohort.advance(steps)
         finished: list[_Seq] = []
         decoding: list[_Seq] = []  # stepped requests now decoding (they join the cohort)
@@ -669,10 +647,7 @@ class EngineModel:
             seq.stepping = False
             if steps > 1:  # a decode stretch: allocate the blocks its later steps used
                 computed = seq.computed + steps
-                need = (computed + bs - 1) // bs - seq.nblocks
-                if need > 0:
-                    pool.allocate(need)
-                    seq.nblocks += need
+                kv.allocate_slots(seq, computed)
                 seq.computed = computed
                 seq.out += steps
                 seq.known += steps
@@ -720,12 +695,7 @@ class EngineModel:
         self._queued_prefill -= _pending(seq)
         seq.computed += n
         self._queued_prefill += _pending(seq)
-        hashes = seq.req.block_hashes
-        first = len(seq.held)
-        full = min(seq.computed // self.pool.block_size, len(hashes))
-        if full > first:
-            parent = seq.held[-1] if seq.held else None
-            self.pool.promote(hashes[first:full], parent, seq.req.token_ids, first, seq.held)
+        self.kv.cache_blocks(seq, seq.computed)
 
     def _preempt(self, seq: _Seq, now: float) -> None:
         """Recompute preemption: free everything, requeue at the front; the prompt and the output
@@ -737,9 +707,7 @@ class EngineModel:
         else:
             explicit.remove(seq)
         self._queued_prefill -= _pending(seq)
-        self.pool.release(seq.held, seq.nblocks - len(seq.held))
-        seq.held = []
-        seq.nblocks = 0
+        self.kv.free(seq)
         seq.computed = 0
         seq.stepping = False
         self._queued_prefill += _pending(seq)
@@ -751,9 +719,7 @@ class EngineModel:
     def _drop(self, seq: _Seq) -> None:
         """Forget a finished or aborted request and free its blocks."""
         self._queued_prefill -= _pending(seq)
-        self.pool.release(seq.held, seq.nblocks - len(seq.held))
-        seq.held = []
-        seq.nblocks = 0
+        self.kv.free(seq)
         seq.stepping = False
         del self._seqs[seq.req.req_id]
 

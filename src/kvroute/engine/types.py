@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 ReqId = int | str
 
@@ -140,3 +140,18 @@ class CostModel(Protocol):
     def step_time(
         self, prefill: Sequence[tuple[int, int]], num_decode: int, decode_kv_tokens: int
     ) -> float: ...
+
+
+class LoadSnapshot(NamedTuple):
+    """What a router copies of an engine's state, cheaply (``EngineModel.load()``), in the names of
+    ``kvroute.views.InstanceView``: requests ``running``/``waiting``, ``queued_prefill_tokens``
+    (tokens), ``kv_usage`` (fraction of the pool in use), ``kv_capacity_blocks`` (pool size, blocks),
+    ``decode_blocks`` (blocks referenced by requests). A named tuple: cheap to build, and it still
+    unpacks by position."""
+
+    running: int
+    waiting: int
+    queued_prefill_tokens: int
+    kv_usage: float
+    kv_capacity_blocks: int
+    decode_blocks: int

@@ -2,7 +2,8 @@
 
 Events are ordered by (time, priority, sequence number); the sequence number comes from a counter
 owned by the loop, so equal-time, equal-priority events run in the order they were scheduled.
-Times are seconds of simulated time.
+Times are seconds of simulated time. :class:`SimClock` lets an
+:class:`~kvroute.engine.host.EngineHost` run on the loop.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ class EventLoop:
 
     def __init__(self) -> None:
         self.now = 0.0
-        self._heap: list[tuple[float, int, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._heap: list[tuple[float, int, int, Callable[..., object], tuple[Any, ...]]] = []
         self._seq = 0
 
-    def schedule(self, time: float, priority: int, fn: Callable[..., None], *args: Any) -> None:
+    def schedule(self, time: float, priority: int, fn: Callable[..., object], *args: Any) -> None:
         """Run ``fn(*args)`` at ``time`` (not before ``now``)."""
         if time < self.now:
             raise ValueError(f"event in the past: {time} < {self.now}")
@@ -36,9 +37,6 @@ class EventLoop:
     def __len__(self) -> int:
         return len(self._heap)
 
-    def peek_time(self) -> float | None:
-        return self._heap[0][0] if self._heap else None
-
     def run_until(self, until: float | None = None) -> None:
         """Run events with time <= ``until`` (all of them when None)."""
         heap = self._heap
@@ -47,3 +45,22 @@ class EventLoop:
             time, _, _, fn, args = pop(heap)
             self.now = time
             fn(*args)
+
+
+class SimClock:
+    """The loop as an engine host's clock (``kvroute.engine.host.Clock``): ``call_at`` schedules
+    at ``priority`` (engine wake-ups: ``PRIO_ENGINE``), so a host's wake-ups take their place in the
+    loop's (time, priority, seq) order like any other event."""
+
+    __slots__ = ("loop", "priority")
+
+    def __init__(self, loop: EventLoop, priority: int = PRIO_ENGINE) -> None:
+        self.loop = loop
+        self.priority = priority
+
+    def now(self) -> float:
+        return self.loop.now
+
+    def call_at(self, when: float, fn: Callable[[float], object]) -> None:
+        """Run ``fn(when)`` at ``when`` (simulated seconds, not before now)."""
+        self.loop.schedule(when, self.priority, fn, when)

@@ -11,6 +11,7 @@ import pytest
 from kvroute.cli import main
 from kvroute.commands.settings import sim_command
 from kvroute.engine.cost import get_profile
+from kvroute.engine.host import EngineHost
 from kvroute.policies.registry import make_policy
 from kvroute.sim.cluster import ClusterSim, SimConfig
 from kvroute.sim.loop import EventLoop
@@ -195,18 +196,18 @@ def test_cached_routing_views_match_a_fresh_pass_per_request(
     assert fast == slow and fast["requests"] > 50
 
 
-def test_engine_version_changes_whenever_its_stats_do() -> None:
+def test_engine_version_changes_whenever_its_stats_do(monkeypatch: pytest.MonkeyPatch) -> None:
     """The staleness test behind the cached views: equal ``version`` implies equal ``stats()``; and
     ``load()`` is the part of ``stats()`` the router copies."""
     profile = get_profile()
     cfg = SimConfig(instances=2, kv_capacity_tokens=20_000)
     sim = ClusterSim(cfg, make_policy("lmetric"), profile.cost)
     seen: dict[tuple[int, int], object] = {}
-    original = ClusterSim._after_engine
+    original = EngineHost._run
 
-    def spy(self: ClusterSim, i: int, now: float) -> None:
-        original(self, i, now)
-        for k, inst in enumerate(self._insts):
+    def spy(host: EngineHost, now: float) -> None:
+        original(host, now)
+        for k, inst in enumerate(sim._insts):
             stats = inst.engine.stats()
             assert seen.setdefault((k, inst.engine.version), stats) == stats
             s = stats
@@ -219,6 +220,6 @@ def test_engine_version_changes_whenever_its_stats_do() -> None:
                 s.used_blocks,
             )
 
-    sim._after_engine = spy.__get__(sim)  # type: ignore[method-assign]
+    monkeypatch.setattr(EngineHost, "_run", spy)
     sim.run(burst(30, prompt=2048, out=50))
     assert len(seen) > 10

@@ -25,8 +25,10 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
+from kvroute.engine.host import EngineHost
 from kvroute.engine.memo import DecodeMemo
 from kvroute.engine.model import EngineModel
 from kvroute.engine.types import (
@@ -34,6 +36,7 @@ from kvroute.engine.types import (
     EngineConfig,
     EngineRequest,
     KVEvent,
+    LoadSnapshot,
     OutputKind,
 )
 from kvroute.errors import UserError
@@ -42,7 +45,7 @@ from kvroute.metrics import LatencyRecorder
 from kvroute.policies.base import Policy
 from kvroute.routing.core import RouteRequest, RoutingCore
 from kvroute.routing.kvview import KVView
-from kvroute.sim.loop import PRIO_ARRIVAL, PRIO_DELIVERY, PRIO_ENGINE, EventLoop
+from kvroute.sim.loop import PRIO_ARRIVAL, PRIO_DELIVERY, EventLoop, SimClock
 from kvroute.views import InstanceView
 from kvroute.workloads.request import Request
 
@@ -113,13 +116,13 @@ class _Inst:
     """The router's per-instance state and the engine behind it."""
 
     engine: EngineModel
-    snap: tuple[int, int, int, float, int, int]  # the engine's load() when copied
+    snap: LoadSnapshot  # the engine's load() when copied
     snap_time: float
     snap_version: int = -1  # the engine's ``version`` when ``snap`` was copied
     opt: dict[int, tuple[int, int]] = field(default_factory=dict)  # req_id -> (new prefill tokens, blocks)
     opt_tokens: int = 0
     opt_blocks: int = 0
-    wake: float | None = None  # time of the scheduled wake-up (None: none pending)
+    host: EngineHost | None = None  # runs the engine on the loop (set by ClusterSim._add_instance)
     view: InstanceView | None = None  # cached view; None when stale
     tags: frozenset[str] = frozenset()
 
@@ -146,6 +149,7 @@ class ClusterSim:
         self.policy = policy
         self.cost = DecodeMemo(cost)
         self.loop = EventLoop()
+        self._clock = SimClock(self.loop)  # engine wake-ups at PRIO_ENGINE
         self.recorder = LatencyRecorder()
         self.rng = random.Random(config.seed)
         self._insts: list[_Inst] = []
@@ -183,9 +187,10 @@ class ClusterSim:
         )
         self._block_size = block_size
         for k in range(cfg.instances):
-            eng = EngineModel(ecfg, self.cost)
             spot = k >= cfg.instances - cfg.spot_instances
-            self._insts.append(_Inst(eng, eng.load(), 0.0, tags=frozenset({"spot"}) if spot else frozenset()))
+            self._add_instance(
+                EngineModel(ecfg, self.cost), 0.0, frozenset({"spot"}) if spot else frozenset()
+            )
         self._approx = cfg.kv_view != "exact"
         self.core = sim_router(cfg, self.policy, block_size, blocks)
         self.core.kv.on_cleared = self._cleared
@@ -249,11 +254,25 @@ class ClusterSim:
         """``n`` new instances join now (scale-out); with cold start they warm up and get preloads."""
         now = self.loop.now
         for _ in range(n):
-            eng = EngineModel(self._ecfg, self.cost)
-            self._insts.append(_Inst(eng, eng.load(), now))
+            self._add_instance(EngineModel(self._ecfg, self.cost), now)
             assert self.core is not None
             self.core.kv.add_backend(self.config.kv_view == "exact")
             self._reset_instance(len(self._insts) - 1, now)
+
+    def _add_instance(self, eng: EngineModel, now: float, tags: frozenset[str] = frozenset()) -> None:
+        """Append an instance: the router's state for it and the host that runs ``eng`` on the loop
+        (its outputs to :meth:`_outputs`, its KV events to the KV view after ``event_delay``)."""
+        i = len(self._insts)
+        inst = _Inst(eng, eng.load(), now, tags=tags)
+        on_events = None
+        if self.config.kv_view == "exact":
+
+            def on_events(events: list[KVEvent]) -> None:
+                loop = self.loop
+                loop.schedule(loop.now + self.config.event_delay, PRIO_DELIVERY, self._deliver, i, events)
+
+        inst.host = EngineHost(eng, self._clock, partial(self._outputs, i, inst), on_events)
+        self._insts.append(inst)
 
     def _reset_instance(self, i: int, now: float) -> None:
         """Instance ``i`` joined or lost its cache: tell the guard, send it the preload requests."""
@@ -261,14 +280,17 @@ class ClusterSim:
             return
         bs = self._block_size
         prefixes = self.guard.instance_reset(i, now)
+        reqs = []
         for k, p in enumerate(prefixes):
             rid = f"preload-{i}-{now:.3f}-{k}"
             self._preload.add(rid)
             assert self.core is not None
             self.core.kv.on_routed(i, p.chain, now)
-            self._insts[i].engine.add_request(EngineRequest(rid, len(p.chain) * bs, 1, p.chain), now)
-        if prefixes:
-            self._after_engine(i, now)
+            reqs.append(EngineRequest(rid, len(p.chain) * bs, 1, p.chain))
+        if reqs:  # one call: they join the same step
+            host = self._insts[i].host
+            assert host is not None
+            host.add(*reqs)
 
     def _next_arrival(self, req: Request, it: Iterator[Request]) -> None:
         self.loop.schedule(max(req.arrival, self.loop.now), PRIO_ARRIVAL, self._arrive, req, it)
@@ -360,8 +382,8 @@ class ClusterSim:
             live.chain = chain
             live.predicted_blocks = cached // self._block_size
         self._live[req.req_id] = live
-        inst.engine.add_request(EngineRequest(req.req_id, prompt, req.output_len, chain), now)
-        self._after_engine(choice, now)
+        assert inst.host is not None
+        inst.host.add(EngineRequest(req.req_id, prompt, req.output_len, chain))
 
     def _unreserve(self, i: int, inst: _Inst, req_id: Any) -> None:
         """Drop the optimistic counters of ``req_id`` on instance ``i`` (first token, or aborted)."""
@@ -373,30 +395,6 @@ class ClusterSim:
             self._dirty.add(i)
 
     # -- engines ----------------------------------------------------------------------------------
-    def _after_engine(self, i: int, now: float) -> None:
-        """Handle what engine ``i`` produced and (re)schedule its wake-up."""
-        inst = self._insts[i]
-        eng = inst.engine
-        outs = eng.advance(now)
-        if outs:
-            self._outputs(i, inst, outs)
-        events = eng.take_events()
-        if events and self.config.kv_view == "exact":
-            self.loop.schedule(now + self.config.event_delay, PRIO_DELIVERY, self._deliver, i, events)
-        nt = eng.next_time()
-        if nt is not None and nt != inst.wake:
-            inst.wake = nt
-            self.loop.schedule(nt, PRIO_ENGINE, self._wake, i, nt)
-        elif nt is None:
-            inst.wake = None
-
-    def _wake(self, i: int, t: float) -> None:
-        inst = self._insts[i]
-        if inst.wake != t:
-            return  # superseded (the step in progress was cut short by an arrival)
-        inst.wake = None
-        self._after_engine(i, t)
-
     def _outputs(self, i: int, inst: _Inst, outs: list) -> None:
         live = self._live
         preload = self._preload

@@ -53,7 +53,11 @@ class Signals:
     def _on_signal(self, sig: signal.Signals) -> None:
         name = signal.Signals(sig).name
         if sig == signal.SIGHUP:
-            print(f"kvroute: {name}: config reload is not supported yet; still serving", file=sys.stderr)
+            print(
+                f"kvroute: {name}: config reload is not supported yet; still serving",
+                file=sys.stderr,
+                flush=True,
+            )
         elif not self.stop.is_set():
             print(f"kvroute: {name}: shutting down gracefully", file=sys.stderr, flush=True)
             self.stop.set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,16 @@ from kvroute.cli import main
         (["serve", "--backend", "http://a:1", "--port", "x"], "invalid port 'x'"),
         (["serve"], "at least one backend is needed"),
         (["serve", "--backend", "notaurl"], "must look like http://host:port"),
+        (
+            ["serve", "--backend", "http://a:1", "--drain-timeout", "-1"],
+            "seconds must be a finite number >= 0",
+        ),
+        (
+            ["serve", "--backend", "http://a:1", "--drain-grace", "nan"],
+            "seconds must be a finite number >= 0",
+        ),
+        (["serve", "--backend", "http://a:1", "--drain-grace", "x"], "invalid number of seconds 'x'"),
+        (["up", "--drain-timeout", "inf"], "seconds must be a finite number >= 0"),
     ],
 )
 def test_bad_flags(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -32,6 +43,7 @@ def test_bad_flags(argv: list[str], needle: str, capsys: pytest.CaptureFixture[s
         ("backends: [http://a:1]\nport: 70000\n", "port must be in 0..65535"),
         ("backends: [http://a:1]\nscrape_interval_s: .nan\n", "scrape_interval_s must be a finite number"),
         ("backends: [http://a:1]\nbogus: 1\n", "unknown key 'bogus'"),
+        ("backends: [http://a:1]\ndrain_timeout_s: -2\n", "drain_timeout_s must be a finite number >= 0"),
     ],
 )
 def test_bad_config_values(
@@ -42,3 +54,18 @@ def test_bad_config_values(
     assert main(["serve", "--config", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert needle in err and str(cfg) in err
+
+
+def test_drain_settings_from_flags_and_yaml(tmp_path: Path) -> None:
+    from kvroute.commands.serve import add_arguments, config_from_args
+
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("backends: [http://a:1]\ndrain_timeout_s: 5\ndrain_grace_s: 0\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    from_file = config_from_args(parser.parse_args(["--config", str(cfg)]))
+    assert (from_file.drain_grace_s, from_file.drain_timeout_s) == (0.0, 5.0)
+    flags = parser.parse_args(["--config", str(cfg), "--drain-timeout", "7.5", "--drain-grace", "1"])
+    assert (config_from_args(flags).drain_grace_s, config_from_args(flags).drain_timeout_s) == (1.0, 7.5)
+    default = config_from_args(parser.parse_args(["--backend", "http://a:1"]))
+    assert (default.drain_grace_s, default.drain_timeout_s) == (2.0, 30.0)

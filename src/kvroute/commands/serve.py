@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from kvroute.commands import port_number
+from kvroute.commands import port_number, seconds
 from kvroute.errors import UserError
 from kvroute.policies.registry import make_policy, policy_names
 from kvroute.server.config import BackendSpec, RouterConfig, parse_backend_url
@@ -26,6 +26,8 @@ _SIMPLE = {
     "health_interval": "health_interval_s",
     "max_retries": "max_retries",
     "eject_after": "eject_after",
+    "drain_grace": "drain_grace_s",
+    "drain_timeout": "drain_timeout_s",
 }
 
 
@@ -71,6 +73,20 @@ def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> N
     p.add_argument("--health-interval", type=float, help="seconds between health checks (default 1)")
     p.add_argument("--max-retries", type=int, help="retries on other backends before the first byte (2)")
     p.add_argument("--eject-after", type=int, help="failed health checks before ejection (default 3)")
+    p.add_argument(
+        "--drain-grace",
+        type=seconds,
+        metavar="S",
+        help="on SIGTERM: /health answers 503 at once; new requests are still served for S seconds "
+        "(default 2), then refused",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=seconds,
+        metavar="S",
+        help="on SIGTERM: wait up to S seconds (default 30) for requests in flight, then end them "
+        "(streams with an SSE error event)",
+    )
     from kvroute.commands.settings import add_feature_arguments
 
     add_feature_arguments(p)

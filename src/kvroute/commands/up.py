@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from kvroute.server.app import RouterServer
     from kvroute.server.cluster import EngineCluster
     from kvroute.server.config import RouterConfig
-    from kvroute.server.run import run_loop, wait_for_signal
+    from kvroute.server.run import run_loop, serve_until_signal
 
     if args.instances < 1:
         raise UserError("--instances must be >= 1")
@@ -72,10 +72,7 @@ def run(args: argparse.Namespace) -> int:
             for b in backends:
                 print(f"  engine {b.url}  kv_events={b.kv_events or 'off'}", file=sys.stderr)
             print(f"router: {url}/v1", flush=True)
-            try:
-                await wait_for_signal()
-            finally:
-                await server.stop()
+            await serve_until_signal(server)
         finally:
             cluster.stop()
         return 0

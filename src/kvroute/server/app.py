@@ -1,7 +1,8 @@
 """The router server: aiohttp app wiring, lifecycle, /v1/models, /health, /metrics.
 
 :class:`RouterServer` is what ``kvroute serve``/``kvroute up`` and the tests run: ``await start()``
-binds the port (0 → a free one) and starts the background loops; ``await stop()`` undoes all of it.
+binds the port (0 → a free one) and starts the background loops; ``await stop()`` undoes all of it;
+``await shutdown()`` drains first (what SIGTERM does, see :meth:`RouterServer.shutdown`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ __all__ = ["RouterServer"]
 
 log = logging.getLogger("kvroute.server")
 
+_ABORT_WAIT_S = 5.0
+"""Seconds a shutdown waits for the requests it ended to write their last bytes."""
+
 
 class RouterServer:
     """One router: config → app, loops, subscribers. ``transport``/``tokenizer`` may be injected
@@ -64,6 +68,8 @@ class RouterServer:
         self.subscribers: list[EventSubscriber] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self.draining = False  # shutting down: /health answers 503
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(RouterCollector(self.core, self.subscribers, self.proxy))
         if self.core.guard is not None:  # production features: alarms, score histogram, warming
@@ -88,6 +94,7 @@ class RouterServer:
         site = web.TCPSite(runner, self.config.host, self.config.port, backlog=1024)
         await site.start()
         self._runner = runner
+        self._site = site
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.url = f"http://{self.config.host}:{port}"
         if self.background:
@@ -108,6 +115,46 @@ class RouterServer:
         if self.core.guard is not None and self.core.guard.warmup is not None:
             self._tasks.append(asyncio.create_task(self.monitor.preload_loop()))
 
+    async def shutdown(self, hurry: asyncio.Event | None = None) -> int:
+        """Drain, then :meth:`stop`; returns how many requests the drain had to end.
+
+        1. ``/health`` answers 503 (``"status": "draining"``) at once;
+        2. new requests are still served for ``config.drain_grace_s`` seconds, so that a load balancer
+           polling ``/health`` stops sending first; then they are refused with a 503 JSON error (with
+           Retry-After, on connections already open) and the listening socket is closed (new
+           connections are refused);
+        3. requests in flight are awaited for up to ``config.drain_timeout_s`` seconds; those still
+           running are then ended: a started stream with an SSE error event (``data: {"error": ...}``,
+           ``data: [DONE]``), a request with nothing sent yet with a 503 JSON error;
+        4. the background loops stop and the port is released.
+
+        ``hurry``: when set (a second SIGTERM), the grace and the wait end at once."""
+        cfg = self.config
+        hurry = hurry or asyncio.Event()
+        self.draining = True
+        log.warning(
+            "shutting down: /health answers 503; new requests refused in %.3g s; "
+            "%d in flight, awaited up to %.3g s more",
+            cfg.drain_grace_s,
+            self.proxy.inflight,
+            cfg.drain_timeout_s,
+        )
+        ended = 0
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(hurry.wait(), cfg.drain_grace_s)
+            self.proxy.refusing = True
+            if self._site is not None:
+                await self._site.stop()  # closes the listening socket, not the open connections
+                self._site = None
+            if not await self.proxy.wait_idle(cfg.drain_timeout_s, hurry):
+                ended = self.proxy.abort_inflight()
+                log.warning("shutting down: ending %d requests still in flight", ended)
+                await self.proxy.wait_idle(_ABORT_WAIT_S)
+        finally:
+            await self.stop()
+        return ended
+
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
@@ -127,15 +174,18 @@ class RouterServer:
     # ---- small endpoints -----------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 ``ok`` while a backend is healthy; 503 ``unavailable`` when none is, or ``draining``
+        once a shutdown began."""
         healthy = sum(b.healthy for b in self.core.backends)
+        ready = healthy and not self.draining
         body = {
-            "status": "ok" if healthy else "unavailable",
+            "status": "draining" if self.draining else "ok" if healthy else "unavailable",
             "healthy_backends": healthy,
             "backends": len(self.core.backends),
             "policy": self.core.policy.name,
         }
         return web.Response(
-            status=200 if healthy else 503, body=orjson.dumps(body), content_type="application/json"
+            status=200 if ready else 503, body=orjson.dumps(body), content_type="application/json"
         )
 
     async def metrics(self, request: web.Request) -> web.Response:

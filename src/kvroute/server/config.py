@@ -18,6 +18,8 @@ The command-line flags and the YAML file that build it are read by :mod:`kvroute
     max_body_bytes: 33554432
     scrape_interval_s: 0.05
     health_interval_s: 1.0
+    drain_grace_s: 2.0                        # SIGTERM: /health 503 at once, new requests refused after
+    drain_timeout_s: 30.0                     # in-flight requests awaited this long, then ended
     features: {hotspot: true, monitor: true}  # production features, see kvroute.commands.settings
     ...                                       # any other RouterConfig field by name
 
@@ -82,6 +84,11 @@ class RouterConfig:
       same cores) ``defer`` was at most 0.4 ms faster than ``exact``. It is opt-in because of what it
       cannot see.
       The production features (``features``) always tokenize exactly.
+    - ``drain_grace_s``, ``drain_timeout_s``: graceful shutdown (SIGTERM/SIGINT, see
+      :meth:`kvroute.server.app.RouterServer.shutdown`): ``/health`` answers 503 at once; new requests
+      are still served for ``drain_grace_s`` seconds (so a load balancer sees the 503 first), then
+      refused (503) and the listening socket is closed; requests in flight are awaited for up to
+      ``drain_timeout_s`` seconds more, then ended (a stream with an SSE error event).
     """
 
     backends: tuple[BackendSpec, ...]
@@ -106,6 +113,8 @@ class RouterConfig:
     tokenizer_cache_entries: int = 65536
     tokenize: str = "exact"
     retry_after_s: int = 1
+    drain_grace_s: float = 2.0
+    drain_timeout_s: float = 30.0
     features: FeatureConfig | None = None  # production features (kvroute.features); None: all off
 
     def validate(self) -> RouterConfig:
@@ -132,6 +141,8 @@ class RouterConfig:
             ("tokenizer_cache_entries", self.tokenizer_cache_entries >= 0),
             ("port", 0 <= self.port <= 65535),
             ("retry_after_s", self.retry_after_s >= 0),
+            ("drain_grace_s", 0 <= self.drain_grace_s < float("inf")),
+            ("drain_timeout_s", 0 <= self.drain_timeout_s < float("inf")),
         ]
         for name, ok in checks:
             if not ok:

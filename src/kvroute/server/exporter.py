@@ -19,7 +19,12 @@ from prometheus_client.registry import Collector
 from kvroute.server.events import EventSubscriber
 from kvroute.server.router import RouterCore
 
-__all__ = ["RouterCollector", "render_metrics"]
+__all__ = ["OUTCOMES", "RouterCollector", "render_metrics"]
+
+OUTCOMES = ("ok", "client_errors", "upstream_errors", "cancelled", "unavailable", "drained")
+"""``kvroute_requests_total{outcome}``: ``unavailable`` counts 503s (no backend could take the request,
+or it came after a shutdown's grace); ``drained`` counts requests still in flight when a shutdown's
+drain timed out, which the router ended (see ``RouterServer.shutdown``)."""
 
 
 class RouterCollector(Collector):
@@ -32,7 +37,7 @@ class RouterCollector(Collector):
         core = self.core
         c = core.counters
         req = CounterMetricFamily("kvroute_requests", "Requests by outcome", labels=["outcome"])
-        for outcome in ("ok", "client_errors", "upstream_errors", "cancelled", "unavailable"):
+        for outcome in OUTCOMES:
             req.add_metric([outcome], getattr(c, outcome))
         yield req
         yield CounterMetricFamily("kvroute_retries", "Attempts retried on another backend", value=c.retries)

@@ -11,6 +11,12 @@ Forwarding rules (see :meth:`Proxy.forward`):
   requests, or a 502 JSON error for non-streamed ones (their body is buffered);
 - a client that goes away cancels the handler, which aborts the upstream connection (the engine then
   cancels the request); counters are released in ``finally`` on every path.
+
+Shutdown (driven by :meth:`kvroute.server.app.RouterServer.shutdown`): once :attr:`Proxy.refusing` is
+set, new requests get a 503 ``service_unavailable`` JSON error with Retry-After (and the connection is
+closed); :meth:`Proxy.wait_idle` waits for the requests in flight; :meth:`Proxy.abort_inflight` ends
+them: a stream already started gets an SSE error event (``data: {"error": ...}`` then ``data: [DONE]``),
+a request with nothing sent yet a 503 JSON error; both count as ``drained``.
 """
 
 from __future__ import annotations
@@ -186,6 +192,10 @@ class _ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
 
 
+def _shutting_down(detail: str) -> ApiError:
+    return ApiError(503, f"the router is shutting down: {detail}", etype="service_unavailable")
+
+
 class Proxy:
     """Forwards requests planned by a :class:`RouterCore` through a :class:`Transport`."""
 
@@ -200,6 +210,39 @@ class Proxy:
         # Long prompts are tokenized on one worker thread (HF tokenizers releases the GIL), so the
         # event loop keeps relaying other streams meanwhile; threads start on first use.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-tokenize")
+        self.refusing = False  # shutting down: new requests get a 503
+        self._aborting = False  # shutting down: the handlers in flight are being cancelled
+        self._inflight: set[asyncio.Task[object]] = set()  # handler tasks of the requests in flight
+        self._idle: asyncio.Event | None = None  # set when the last request in flight ends
+
+    @property
+    def inflight(self) -> int:
+        """Requests in flight (being read, routed, forwarded or relayed)."""
+        return len(self._inflight)
+
+    async def wait_idle(self, timeout_s: float, hurry: asyncio.Event | None = None) -> bool:
+        """Wait up to ``timeout_s`` seconds (less if ``hurry`` is set meanwhile) until no request is in
+        flight; True if none is."""
+        if not self._inflight:
+            return True
+        self._idle = asyncio.Event()
+        waits = [asyncio.ensure_future(self._idle.wait())]
+        if hurry is not None:
+            waits.append(asyncio.ensure_future(hurry.wait()))
+        try:
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        return not self._inflight
+
+    def abort_inflight(self) -> int:
+        """End every request in flight (see the module docstring); returns how many there were."""
+        self._aborting = True
+        tasks = list(self._inflight)
+        for t in tasks:
+            t.cancel()
+        return len(tasks)
 
     def close(self) -> None:
         """Stop the tokenizer thread (pending work is finished first)."""
@@ -227,6 +270,34 @@ class Proxy:
         return b"".join(chunks)
 
     async def _handle(self, request: web.Request, chat: bool, path: str) -> web.StreamResponse:
+        """Track the request while it is in flight; refuse it while shutting down."""
+        if self.refusing:
+            self.core.counters.unavailable += 1
+            resp = error_response(_shutting_down("not accepting requests"), self.core.config.retry_after_s)
+            resp.force_close()
+            return resp
+        task = asyncio.current_task()
+        assert task is not None
+        inflight = self._inflight
+        inflight.add(task)
+        try:
+            return await self._route(request, chat, path)
+        except asyncio.CancelledError:
+            if not self._aborting:
+                raise
+            task.uncancel()  # ended by the drain before anything was sent: answer 503
+            self.core.counters.drained += 1
+            resp = error_response(
+                _shutting_down("request not finished in time"), self.core.config.retry_after_s
+            )
+            resp.force_close()
+            return resp
+        finally:
+            inflight.discard(task)
+            if not inflight and self._idle is not None:
+                self._idle.set()
+
+    async def _route(self, request: web.Request, chat: bool, path: str) -> web.StreamResponse:
         counters = self.core.counters
         try:
             raw = await self._read_body(request)
@@ -446,8 +517,18 @@ class Proxy:
             counters.cancelled += 1
             return None
         except asyncio.CancelledError:
-            counters.cancelled += 1
-            raise
+            if not (self._aborting and out.prepared):
+                counters.cancelled += 1
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            counters.drained += 1  # ended by the drain mid-stream: an SSE error event
+            err = _shutting_down("stream not finished in time")
+            with contextlib.suppress(_ClientGone, ConnectionError, RuntimeError):
+                await _write(out, request, b"data: " + error_body(err) + b"\n\ndata: [DONE]\n\n")
+                await out.write_eof()
+            return None
         counters.ok += 1
         return tail
 

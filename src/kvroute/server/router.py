@@ -56,7 +56,16 @@ class Plan:
 class RouterCounters:
     """Plain integer counters exported on the router's /metrics (cheaper than label lookups per request)."""
 
-    __slots__ = ("cancelled", "client_errors", "ok", "rejected", "retries", "unavailable", "upstream_errors")
+    __slots__ = (
+        "cancelled",
+        "client_errors",
+        "drained",
+        "ok",
+        "rejected",
+        "retries",
+        "unavailable",
+        "upstream_errors",
+    )
 
     def __init__(self) -> None:
         self.ok = 0
@@ -65,7 +74,8 @@ class RouterCounters:
         self.retries = 0
         self.cancelled = 0  # client went away
         self.rejected = 0  # validation errors (subset of client_errors)
-        self.unavailable = 0  # 503: no backend could take it
+        self.unavailable = 0  # 503: no backend could take it, or the router is shutting down
+        self.drained = 0  # in flight when the shutdown's drain timed out: ended by the router
 
 
 class RouterCore:

@@ -122,7 +122,8 @@ def test_live_and_simulated_cores_decide_alike(mode: str, policy: str) -> None:
         for i, b in enumerate(live.backends):
             st = sim_engines[i].stats()
             b.scraped = ScrapedMetrics(st.running, st.waiting, st.kv_usage, t, BLOCKS)
-            b.queued_prefill = rng.randrange(0, 64)
+            b.table.clear_own(b.slot)
+            b.table.add(b.slot, prefill=rng.randrange(0, 64))
         views = [b.view(t, 1.0) for b in live.backends]
         body = b'{"model": "m", "prompt": %s, "max_tokens": 3}' % str(ids).encode()
         plan = live.plan(parse_request(body, chat=False), ids)

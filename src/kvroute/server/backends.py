@@ -1,6 +1,8 @@
 """Per-backend state: router-side counters, scraped engine metrics, health, and the merged load view.
 
-Router-side counters (fresh, but only this router's traffic), per backend:
+Router-side counters (fresh, but only the routers' traffic), per backend, kept in a
+:class:`~kvroute.server.loadtable.LoadTable` row of this process (the table is shared by the workers of
+a machine and carries the load other replicas announced):
 
 - ``waiting``: requests routed there whose first byte has not come back yet;
 - ``queued_prefill``: the new (uncached) prompt tokens of those requests;
@@ -17,7 +19,8 @@ Scraped engine metrics (every ``scrape_interval_s``, from ``/metrics``; older bu
 traffic from other clients): ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc`` (or the older ``vllm:gpu_cache_usage_perc``), summed over label sets.
 
-**Merge** (:meth:`BackendState.view`): the batch size is the larger of the two totals,
+**Merge** (:meth:`BackendState.view`; router counters summed over the table's rows: every worker of
+this machine and the other replicas): the batch size is the larger of the two totals,
 ``BS = max(r_running + r_waiting, s_running + s_waiting)``; ``running = min(BS, max(r_running,
 s_running))`` and ``waiting = BS − running`` (a request the engine already runs but that has not sent
 its first byte is counted once, not twice). ``queued_prefill_tokens`` is the router's own (vLLM does not
@@ -30,6 +33,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kvroute.server.loadtable import LoadTable
 from kvroute.views import InstanceView
 
 __all__ = ["SCRAPE_PATH", "BackendState", "Lease", "ScrapedMetrics", "parse_vllm_metrics"]
@@ -138,35 +142,48 @@ class BackendState:
     checker (all on the router's event loop)."""
 
     __slots__ = (
-        "blocks",
         "failures",
         "healthy",
         "index",
-        "queued_prefill",
         "requests_total",
-        "running",
         "scraped",
+        "slot",
         "successes",
+        "table",
         "url",
-        "waiting",
     )
 
-    def __init__(self, index: int, url: str) -> None:
+    def __init__(self, index: int, url: str, table: LoadTable | None = None) -> None:
         self.index = index
         self.url = url
-        self.waiting = 0
-        self.running = 0
-        self.queued_prefill = 0
-        self.blocks = 0
+        self.table = table if table is not None else LoadTable.local()
+        self.slot = self.table.slot(url)
         self.requests_total = 0
         self.scraped: ScrapedMetrics | None = None
         self.healthy = True
         self.failures = 0  # consecutive failed health checks
         self.successes = 0  # consecutive good health checks while ejected
 
+    # This process's own counters (what its leases hold; back to zero when its traffic stops).
+    @property
+    def waiting(self) -> int:
+        return self.table.own(self.slot)[0]
+
+    @property
+    def running(self) -> int:
+        return self.table.own(self.slot)[1]
+
+    @property
+    def queued_prefill(self) -> int:
+        return self.table.own(self.slot)[2]
+
+    @property
+    def blocks(self) -> int:
+        return self.table.own(self.slot)[3]
+
     def view(self, now: float, stale_s: float) -> InstanceView:
         """The merged load view (see the module docstring); ``now`` on the monotonic clock."""
-        r_run, r_wait = self.running, self.waiting
+        r_wait, r_run, prefill, blocks = self.table.totals(self.slot)
         s = self.scraped
         if s is not None and now - s.at <= stale_s:
             total = max(r_run + r_wait, s.running + s.waiting)
@@ -175,17 +192,17 @@ class BackendState:
                 index=self.index,
                 running=running,
                 waiting=total - running,
-                queued_prefill_tokens=self.queued_prefill,
+                queued_prefill_tokens=prefill,
                 kv_usage=s.kv_usage,
                 kv_capacity_blocks=s.num_kv_blocks,
-                decode_blocks=max(self.blocks, round(s.kv_usage * s.num_kv_blocks)),
+                decode_blocks=max(blocks, round(s.kv_usage * s.num_kv_blocks)),
             )
         return InstanceView(
             index=self.index,
             running=r_run,
             waiting=r_wait,
-            queued_prefill_tokens=self.queued_prefill,
-            decode_blocks=self.blocks,
+            queued_prefill_tokens=prefill,
+            decode_blocks=blocks,
         )
 
     def eject(self) -> bool:
@@ -230,9 +247,7 @@ class Lease:
         self.prefill = prefill_tokens
         self.blocks = blocks
         self._state = 0  # 0 waiting, 1 running, 2 released
-        backend.waiting += 1
-        backend.queued_prefill += prefill_tokens
-        backend.blocks += blocks
+        backend.table.add(backend.slot, waiting=1, prefill=prefill_tokens, blocks=blocks)
         backend.requests_total += 1
 
     @property
@@ -244,26 +259,22 @@ class Lease:
         """The request's prefill turned out to be ``prefill_tokens`` (it was estimated): corrects the
         queued count while still waiting; afterwards there is nothing to correct."""
         if self._state == 0:
-            self.backend.queued_prefill += prefill_tokens - self.prefill
+            b = self.backend
+            b.table.add(b.slot, prefill=prefill_tokens - self.prefill)
             self.prefill = prefill_tokens
 
     def first_byte(self) -> None:
         """waiting → running; the prefill tokens leave the queue."""
         if self._state == 0:
             b = self.backend
-            b.waiting -= 1
-            b.queued_prefill -= self.prefill
-            b.running += 1
+            b.table.add(b.slot, waiting=-1, running=1, prefill=-self.prefill)
             self._state = 1
 
     def release(self) -> None:
         """The attempt ended (any way)."""
         b = self.backend
         if self._state == 0:
-            b.waiting -= 1
-            b.queued_prefill -= self.prefill
+            b.table.add(b.slot, waiting=-1, prefill=-self.prefill, blocks=-self.blocks)
         elif self._state == 1:
-            b.running -= 1
-        if self._state != 2:
-            b.blocks -= self.blocks
+            b.table.add(b.slot, running=-1, blocks=-self.blocks)
         self._state = 2

@@ -23,6 +23,7 @@ from kvroute.routing.kvview import KVView
 from kvroute.server.backends import BackendState
 from kvroute.server.chainmemo import ChainMemo, Piece
 from kvroute.server.config import RouterConfig
+from kvroute.server.loadtable import LoadTable
 from kvroute.server.tokenize import Pending, RequestTokenizer
 from kvroute.server.validate import ApiError, ParsedRequest
 
@@ -88,12 +89,15 @@ class RouterCore:
         tokenizer: RequestTokenizer,
         policy: Policy,
         clock: Callable[[], float] = time.monotonic,
+        table: LoadTable | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.policy = policy
         self.clock = clock
-        self.backends = [BackendState(i, b.url) for i, b in enumerate(config.backends)]
+        # In-flight load: this process's table unless given one shared by the machine's workers.
+        self.table = table if table is not None else LoadTable.local()
+        self.backends = [BackendState(i, b.url, self.table) for i, b in enumerate(config.backends)]
         self.kv = KVView(
             num_backends=len(self.backends),
             block_size=config.block_size,

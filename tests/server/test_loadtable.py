@@ -1,0 +1,76 @@
+"""The in-flight load table: slots by URL, rows per writer, a shared table across real processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvroute.server.loadtable import LoadTable, SharedTableSpec
+
+
+def test_slots_are_assigned_by_url_and_stable() -> None:
+    t = LoadTable.local(4)
+    a, b = t.slot("http://a:1"), t.slot("http://b:1")
+    assert (a, b) == (0, 1)
+    assert t.slot("http://a:1") == a
+    assert t.url_of(b) == "http://b:1" and t.url_of(3) == ""
+    t.slot("http://c:1")
+    t.slot("http://d:1")
+    with pytest.raises(ValueError, match="full"):
+        t.slot("http://e:1")
+    with pytest.raises(ValueError):
+        t.slot("")
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(-5, 5), st.integers(-5, 5)), max_size=50))
+def test_totals_are_the_sum_of_the_deltas_plus_the_remote_row(ops: list[tuple[int, int, int]]) -> None:
+    t = LoadTable.local(4)
+    for url in "abcd":
+        t.slot(url)
+    want = [[0, 0, 0, 0] for _ in range(4)]
+    for slot, w, p in ops:
+        t.add(slot, waiting=w, prefill=p, blocks=w + p)
+        want[slot][0] += w
+        want[slot][2] += p
+        want[slot][3] += w + p
+    for slot in range(4):
+        assert list(t.own(slot)) == want[slot]
+        assert t.totals(slot) == t.own(slot)
+    t.set_remote(2, 1, 2, 3, 4)
+    w, r, p, b = want[2]
+    assert t.totals(2) == (w + 1, r + 2, p + 3, b + 4)
+    assert list(t.totals(2, remote=False)) == want[2]
+
+
+def _worker(spec: SharedTableSpec, writer: int, lock: object, urls: list[str], n: int) -> None:
+    table = LoadTable.attach(spec, writer, lock)
+    for _ in range(n):
+        for url in urls:
+            table.add(table.slot(url), waiting=1, prefill=10)
+    table.close()
+
+
+def test_a_shared_table_sums_real_worker_processes_and_agrees_on_slots() -> None:
+    ctx = mp.get_context("spawn")
+    lock = ctx.Lock()
+    parent, spec = LoadTable.create_shared(3, lock, slots=8)
+    try:
+        procs = [
+            ctx.Process(target=_worker, args=(spec, 1, lock, ["http://x", "http://y"], 50)),
+            ctx.Process(target=_worker, args=(spec, 2, lock, ["http://y", "http://x"], 30)),
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0
+        x, y = parent.slot("http://x"), parent.slot("http://y")
+        assert {x, y} == {0, 1}
+        assert parent.totals(x) == (80, 0, 800, 0)
+        assert parent.totals(y) == (80, 0, 800, 0)
+        assert parent.own(x) == (0, 0, 0, 0)
+    finally:
+        parent.close(unlink=True)

@@ -12,6 +12,7 @@ import pytest
 
 from kvroute.commands.settings import backends_from_text
 from kvroute.errors import UserError
+from kvroute.features.coldstart import ColdStartConfig
 from kvroute.features.hotspot import HotspotConfig
 from kvroute.features.loadadapt import LoadAdaptiveConfig
 from kvroute.features.settings import FeatureConfig
@@ -25,7 +26,7 @@ from kvroute.server.fleet import STATIC
 from kvroute.server.validate import ApiError
 from kvroute.tokenizer import Tokenizer
 
-from .fakes import FakeTransport
+from .fakes import FakeTransport, Scripted
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 CHAIN = (11, 12, 13)
@@ -255,3 +256,19 @@ async def test_discovery_poll_reconciles(tokenizer: Tokenizer) -> None:
         "http://127.0.0.1:9001",
         "http://127.0.0.1:9002",
     ]
+
+
+async def test_a_backend_added_at_runtime_enters_through_cold_start(tokenizer: Tokenizer) -> None:
+    cfg = RouterConfig(
+        backends=(BackendSpec(A),), port=0, features=FeatureConfig(cold_start=ColdStartConfig())
+    )
+    transport = FakeTransport({A: [Scripted()], C: [Scripted(status=503), Scripted()]})
+    server = RouterServer(cfg, transport=transport, tokenizer=tokenizer, background=False)
+    core = server.core
+    state = server.fleet.add(BackendSpec(C))
+    guard = core.guard
+    assert guard is not None and guard.warmup is not None
+    assert not guard.warmup.warming(state.index, core.clock())
+    assert not await server.monitor.check_health(state) and not state.routable
+    assert await server.monitor.check_health(state) and state.routable  # admitted: cold start
+    assert guard.warmup.warming(state.index, core.clock()) and guard.counts["warmups"] == 1

@@ -6,7 +6,6 @@ per decoded token."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -215,4 +214,3 @@ async def test_file_discovery_follows_the_file(
             async with s.post(url + "/v1/completions", json=SHORT) as r:
                 assert r.status == 200
     assert engine_requests(a) == before and engine_requests(b) > 0
-    await asyncio.sleep(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import Any
 
 from kvroute.commands import port_number, seconds
@@ -28,7 +29,13 @@ _SIMPLE = {
     "eject_after": "eject_after",
     "drain_grace": "drain_grace_s",
     "drain_timeout": "drain_timeout_s",
+    "admin_token": "admin_token",
+    "discover_interval": "discover_interval_s",
+    "discover_kv_events": "discover_kv_events",
 }
+
+ADMIN_TOKEN_ENV = "KVROUTE_ADMIN_TOKEN"
+"""The admin API's bearer token when ``--admin-token`` is not given (keeps it out of ``ps``)."""
 
 
 def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> None:
@@ -56,7 +63,31 @@ def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> N
             metavar="URL=ENDPOINT",
             help="replay socket of backend URL's KV events (gap recovery)",
         )
-        p.add_argument("--config", metavar="FILE", help="YAML config (see kvroute.server.config)")
+        p.add_argument(
+            "--config",
+            metavar="FILE",
+            help="YAML config (see kvroute.server.config); SIGHUP re-reads it (backends, policy, features)",
+        )
+        p.add_argument(
+            "--discover",
+            action="append",
+            default=[],
+            metavar="SOURCE",
+            help="discover backends: dns://NAME:PORT (A/AAAA records, e.g. a Kubernetes headless "
+            "Service) or file://PATH (YAML or one URL a line, re-read when it changes); repeatable",
+        )
+        p.add_argument(
+            "--discover-interval",
+            type=seconds,
+            metavar="S",
+            help="seconds between DNS lookups / file checks (default 5)",
+        )
+        p.add_argument(
+            "--discover-kv-events",
+            metavar="TEMPLATE",
+            help="KV event endpoint of a DNS-discovered backend, e.g. 'tcp://{host}:5557' "
+            "(default: approximate KV view)",
+        )
     p.add_argument("--policy", help=f"routing policy (default lmetric): {', '.join(policy_names())}")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, help="port to listen on (default 8080)")
@@ -87,6 +118,12 @@ def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> N
         help="on SIGTERM: wait up to S seconds (default 30) for requests in flight, then end them "
         "(streams with an SSE error event)",
     )
+    p.add_argument(
+        "--admin-token",
+        metavar="TOKEN",
+        help=f"turn the admin API on (/admin/backends), with this bearer token (or set {ADMIN_TOKEN_ENV}); "
+        "without one the admin API is off",
+    )
     from kvroute.commands.settings import add_feature_arguments
 
     add_feature_arguments(p)
@@ -107,8 +144,16 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
 
 
 def overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """RouterConfig fields set by flags."""
-    return {field: getattr(args, dest) for dest, field in _SIMPLE.items() if getattr(args, dest) is not None}
+    """RouterConfig fields set by flags (and the admin token from ``KVROUTE_ADMIN_TOKEN`` when
+    ``--admin-token`` is absent). Flags a command does not have count as absent."""
+    out = {
+        field: getattr(args, dest) for dest, field in _SIMPLE.items() if getattr(args, dest, None) is not None
+    }
+    if "admin_token" not in out and os.environ.get(ADMIN_TOKEN_ENV):
+        out["admin_token"] = os.environ[ADMIN_TOKEN_ENV]
+    if getattr(args, "discover", None):
+        out["discover"] = tuple(args.discover)
+    return out
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -136,6 +181,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     ]
     cfg = dataclasses.replace(base, backends=tuple(backends), **overrides(args)).validate()
     cfg = with_feature_flags(cfg, args)
+    from kvroute.server.discovery import make_source
+
+    for src in cfg.discover:
+        make_source(src, cfg.discover_kv_events)  # fail early on a malformed source
     return cfg
 
 
@@ -152,7 +201,10 @@ def with_feature_flags(cfg: RouterConfig, args: argparse.Namespace) -> RouterCon
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvroute.server.run import serve_forever
+    from kvroute.commands.settings import backends_from_text
+    from kvroute.server.run import Reloader, serve_forever
 
     cfg = config_from_args(args)
-    return serve_forever(cfg)
+    # SIGHUP: the same merge as here (the file, then the flags over it)
+    reloader = Reloader(args.config, lambda: config_from_args(args))
+    return serve_forever(cfg, reloader, backends_from_text)

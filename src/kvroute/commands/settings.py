@@ -615,6 +615,7 @@ def _backend_from(item: Any, where: str) -> BackendSpec:
 
 
 _ROUTER_FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
+_OPTIONAL_STR = ("tokenizer", "admin_token", "discover_kv_events")
 
 
 def config_from_mapping(data: Mapping[str, Any], where: str = "config") -> RouterConfig:
@@ -631,10 +632,17 @@ def config_from_mapping(data: Mapping[str, Any], where: str = "config") -> Route
         if key == "features":
             kwargs["features"] = features_from_mapping(value, where)
             continue
+        if key == "discover":
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise UserError(f"{where}: 'discover' must be a list of dns:// or file:// strings")
+            kwargs["discover"] = tuple(value)
+            continue
         f = _ROUTER_FIELDS.get(key)
         if f is None:
             raise UserError(f"{where}: unknown key {key!r}")
         default = f.default
+        if key in _OPTIONAL_STR and value is not None and not isinstance(value, str):
+            raise UserError(f"{where}: {key} must be a string, got {type(value).__name__}")
         if value is not None and default is not None and default is not dataclasses.MISSING:
             want = type(default)
             if want is float and isinstance(value, int) and not isinstance(value, bool):
@@ -648,6 +656,30 @@ def config_from_mapping(data: Mapping[str, Any], where: str = "config") -> Route
         kwargs[key] = value
     kwargs.setdefault("backends", ())
     return RouterConfig(**kwargs)
+
+
+def backends_from_text(text: str, where: str) -> tuple[BackendSpec, ...]:
+    """Backends listed in a discovery file (``--discover file://PATH``): YAML, a list like the
+    config's ``backends:`` or a mapping with only ``backends:``; or plain text, one URL per line
+    (``#`` comments). Raises :class:`UserError` naming ``where``."""
+    import yaml
+
+    from kvroute.server.discovery import parse_backends_text
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise UserError(f"{where}: invalid YAML: {exc}") from None
+    if data is None:
+        return ()
+    if isinstance(data, list):
+        data = {"backends": data}
+    if isinstance(data, Mapping):
+        extra = sorted(set(data) - {"backends"})
+        if extra:
+            raise UserError(f"{where}: only 'backends' may be listed, not {extra}")
+        return config_from_mapping(data, where).backends
+    return parse_backends_text(text, where)  # plain lines (YAML reads them as one string)
 
 
 def load_config_file(path: str | Path) -> RouterConfig:

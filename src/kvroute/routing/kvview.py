@@ -46,7 +46,8 @@ class KVView:
     history's cost there. ``rehash``: see the module docstring.
 
     Mutated by ``on_routed`` (approximate history), ``on_usage`` (capacity correction),
-    ``apply_events``/``reset`` (exact view); ``match`` mutates nothing.
+    ``apply_events``/``reset`` (exact view), ``add_backend``/``remove_backend``/``set_exact``
+    (membership); ``match`` mutates nothing.
     """
 
     def __init__(
@@ -70,6 +71,7 @@ class KVView:
         self._exact_set = frozenset(exact_backends)
         self._hash_maps: dict[int, dict[int, int]] = {i: {} for i in self._exact_set}
         self._recover_until: dict[int, float] = {}
+        self._removed: set[int] = set()  # backends gone for good (indices are never reused)
         self._last_now = float("-inf")
         self.rehash = rehash
         self.history = history
@@ -101,6 +103,31 @@ class KVView:
             self._hash_maps[index] = {}
         return index
 
+    def remove_backend(self, backend: int) -> None:
+        """Backend ``backend`` left for good: drop its exact and approximate entries (its index is
+        never reused; :meth:`match` reports 0 for it from now on)."""
+        self.exact.clear(backend)
+        self.approx.clear(backend)
+        self._exact_set = self._exact_set - {backend}
+        self._hash_maps.pop(backend, None)
+        self._recover_until.pop(backend, None)
+        self._removed.add(backend)
+
+    def set_exact(self, backend: int, exact: bool, now: float) -> None:
+        """Switch ``backend`` between exact (KV events) and approximate (routing history). To exact:
+        its exact view starts empty and is recovering (``max(exact, approximate)``) for
+        ``recovery_s`` seconds, as after a gap. To approximate: its exact entries are dropped."""
+        if exact == (backend in self._exact_set):
+            return
+        if exact:
+            self._exact_set = self._exact_set | {backend}
+            self.reset(backend, now)
+        else:
+            self.exact.clear(backend)
+            self._exact_set = self._exact_set - {backend}
+            self._hash_maps.pop(backend, None)
+            self._recover_until.pop(backend, None)
+
     def match(self, chain: Sequence[int], now: float) -> list[int]:
         """Cached-prefix length in blocks of ``chain`` on every backend (list indexed by backend)."""
         n = self.num_backends
@@ -108,7 +135,7 @@ class KVView:
             return self.approx.match(chain, n)
         exact = self.exact.match(chain, n)
         recovering = self._recovering(now) if self._recover_until else ()
-        if not recovering and len(self._exact_set) == n:  # no backend needs the routing history
+        if not recovering and len(self._exact_set) + len(self._removed) == n:  # no history needed
             return exact
         out = self.approx.match(chain, n)
         for i in self._exact_set:

@@ -3,26 +3,35 @@
 :class:`RouterServer` is what ``kvroute serve``/``kvroute up`` and the tests run: ``await start()``
 binds the port (0 → a free one) and starts the background loops; ``await stop()`` undoes all of it;
 ``await shutdown()`` drains first (what SIGTERM does, see :meth:`RouterServer.shutdown`).
+
+Backends that come and go: :meth:`RouterServer.reconcile` (a desired list, see
+:mod:`kvroute.server.fleet`), :meth:`RouterServer.apply_config` (a SIGHUP reload), the admin API
+(:mod:`kvroute.server.admin`, only with ``config.admin_token``) and discovery
+(:mod:`kvroute.server.discovery`, ``config.discover``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import orjson
-import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from kvroute.policies.registry import make_policy
-from kvroute.server.config import RouterConfig
+from kvroute.server.admin import add_admin_routes
+from kvroute.server.backends import ACTIVE
+from kvroute.server.config import BackendSpec, RouterConfig
+from kvroute.server.discovery import Discovery, ParseBackends, Resolver
 from kvroute.server.events import EventSubscriber
 from kvroute.server.exporter import RouterCollector, render_metrics
 from kvroute.server.feature_metrics import FeatureCollector
+from kvroute.server.fleet import STATIC, Changes, Fleet
 from kvroute.server.h1 import H1Transport
 from kvroute.server.monitor import Monitor
 from kvroute.server.proxy import Proxy, error_response
@@ -42,7 +51,8 @@ _ABORT_WAIT_S = 5.0
 
 class RouterServer:
     """One router: config → app, loops, subscribers. ``transport``/``tokenizer`` may be injected
-    (tests); by default :class:`~kvroute.server.h1.H1Transport` and the configured tokenizer are used."""
+    (tests); by default :class:`~kvroute.server.h1.H1Transport` and the configured tokenizer are used.
+    ``resolve`` (DNS lookups) and ``parse_backends`` (a watched file's reader) go to discovery."""
 
     def __init__(
         self,
@@ -51,6 +61,8 @@ class RouterServer:
         tokenizer: Tokenizer | None = None,
         clock: Callable[[], float] = time.monotonic,
         background: bool = True,
+        resolve: Resolver | None = None,
+        parse_backends: ParseBackends | None = None,
     ) -> None:
         config.validate()
         self.config = config
@@ -64,18 +76,30 @@ class RouterServer:
         self.proxy = Proxy(self.core, self.transport)
         self.monitor = Monitor(self.core, self.transport)
         self.background = background
-        self._zmq: zmq.asyncio.Context | None = None
-        self.subscribers: list[EventSubscriber] = []
+        self.subscribers: list[EventSubscriber] = []  # live KV event subscribers (the fleet's)
+        self.fleet = Fleet(self.core, self.monitor, self.subscribers)
+        self.discovery = Discovery(config, self.fleet, resolve, parse_backends)
         self._tasks: list[asyncio.Task[None]] = []
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self.draining = False  # shutting down: /health answers 503
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(RouterCollector(self.core, self.subscribers, self.proxy))
-        if self.core.guard is not None:  # production features: alarms, score histogram, warming
-            labels = [(b.index, b.url) for b in self.core.backends]
-            self.registry.register(FeatureCollector(self.core.guard, labels, self.core.clock))
+        self._features: FeatureCollector | None = None
+        self._register_features()
+        self._preloading: asyncio.Task[None] | None = None
         self.url = ""
+
+    def _register_features(self) -> None:
+        """(Re-)register the production features' collector for the current guard, if any."""
+        if self._features is not None:
+            self.registry.unregister(self._features)
+            self._features = None
+        core = self.core
+        if core.guard is not None:  # production features: alarms, score histogram, warming
+            labels = lambda: [(b.index, b.url) for b in core.live_backends()]  # noqa: E731
+            self._features = FeatureCollector(core.guard, labels, core.clock)
+            self.registry.register(self._features)
 
     def make_app(self) -> web.Application:
         # The body limit is enforced by the proxy (OpenAI-style 413), so aiohttp's own is lifted.
@@ -85,6 +109,8 @@ class RouterServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        if self.config.admin_token is not None:
+            add_admin_routes(app, self.fleet, self.config.admin_token)
         return app
 
     async def start(self) -> str:
@@ -102,18 +128,59 @@ class RouterServer:
         return self.url
 
     def _start_background(self) -> None:
-        exact = [(i, b) for i, b in enumerate(self.config.backends) if b.kv_events]
-        if exact:
-            self._zmq = zmq.asyncio.Context()
-            for i, b in exact:
-                assert b.kv_events is not None
-                sub = EventSubscriber(self._zmq, i, b.kv_events, b.kv_replay, self.core.kv, self.core.clock)
-                self.subscribers.append(sub)
-                self._tasks.append(asyncio.create_task(sub.run()))
+        self.fleet.start()
         self._tasks.append(asyncio.create_task(self.monitor.health_loop()))
         self._tasks.append(asyncio.create_task(self.monitor.scrape_loop()))
-        if self.core.guard is not None and self.core.guard.warmup is not None:
-            self._tasks.append(asyncio.create_task(self.monitor.preload_loop()))
+        self._tasks.append(asyncio.create_task(self.fleet.reap_loop()))
+        self._tasks.extend(asyncio.create_task(w) for w in self.discovery.watchers())
+        self._ensure_preloading()
+
+    def _ensure_preloading(self) -> None:
+        """Run the cold-start preload loop while the features warm backends up (started once)."""
+        guard = self.core.guard
+        if self.background and self._preloading is None and guard is not None and guard.warmup is not None:
+            self._preloading = asyncio.create_task(self.monitor.preload_loop())
+            self._tasks.append(self._preloading)
+
+    # ---- membership and reload -----------------------------------------------------------------
+
+    def reconcile(self, specs: Sequence[BackendSpec]) -> Changes:
+        """Make the backends match ``specs`` (see :meth:`Fleet.reconcile`); the sources (static,
+        admin, discovery) are not changed: a later change of a source reconciles their union again."""
+        return self.fleet.reconcile(specs)
+
+    def apply_config(self, new: RouterConfig) -> str:
+        """Apply a reloaded config (SIGHUP): its backends replace the static ones (reconciled with the
+        admin and discovered ones), and a new policy or features take over the next decision (the
+        KV view and the requests in flight are kept). Other fields need a restart: they are kept and
+        named in the summary. Returns a one-line summary of what changed. Raises UserError (nothing
+        changed) for a bad policy or feature combination."""
+        old = self.config
+        new.validate()
+        policy_changed = (new.policy, new.features) != (old.policy, old.features)
+        if policy_changed:
+            policy = make_policy(new.policy)
+            self.core.set_policy(new.policy, policy, new.features)  # may raise UserError first
+            self._register_features()
+            self._ensure_preloading()
+        changes = self.fleet.set_source(STATIC, new.backends) or Changes()
+        restart = [
+            f.name
+            for f in dataclasses.fields(RouterConfig)
+            if f.name not in ("backends", "policy", "features")
+            and getattr(new, f.name) != getattr(old, f.name)
+        ]
+        self.config = dataclasses.replace(
+            old, backends=new.backends, policy=new.policy, features=new.features
+        )
+        parts = [f"backends: {changes.describe()}"]
+        if policy_changed:
+            parts.append(f"policy: {self.core.routing.name}")
+        else:
+            parts.append("policy and features unchanged")
+        if restart:
+            parts.append(f"not applied until a restart: {', '.join(restart)}")
+        return "; ".join(parts)
 
     async def shutdown(self, hurry: asyncio.Event | None = None) -> int:
         """Drain, then :meth:`stop`; returns how many requests the drain had to end.
@@ -165,23 +232,22 @@ class RouterServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        self._preloading = None
+        await self.fleet.stop()
         await self.transport.close()
         self.proxy.close()
-        if self._zmq is not None:
-            self._zmq.term()
-            self._zmq = None
 
     # ---- small endpoints -----------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 ``ok`` while a backend is healthy; 503 ``unavailable`` when none is, or ``draining``
-        once a shutdown began."""
-        healthy = sum(b.healthy for b in self.core.backends)
+        """200 ``ok`` while an active backend is healthy; 503 ``unavailable`` when none is, or
+        ``draining`` once a shutdown began. ``backends`` counts the active ones."""
+        healthy = sum(b.routable for b in self.core.backends)
         ready = healthy and not self.draining
         body = {
             "status": "draining" if self.draining else "ok" if healthy else "unavailable",
             "healthy_backends": healthy,
-            "backends": len(self.core.backends),
+            "backends": sum(b.state == ACTIVE for b in self.core.backends),
             "policy": self.core.policy.name,
         }
         return web.Response(
@@ -192,8 +258,8 @@ class RouterServer:
         return web.Response(body=render_metrics(self.registry), content_type="text/plain", charset="utf-8")
 
     async def models(self, request: web.Request) -> web.Response:
-        """Union (by id, first backend wins) of the healthy backends' /v1/models."""
-        backends = [b for b in self.core.backends if b.healthy]
+        """Union (by id, first backend wins) of the active healthy backends' /v1/models."""
+        backends = [b for b in self.core.backends if b.routable]
         if not backends:
             return error_response(
                 ApiError(503, "no healthy backend", etype="service_unavailable"), self.config.retry_after_s

@@ -36,7 +36,25 @@ from dataclasses import dataclass
 from kvroute.server.loadtable import LoadTable
 from kvroute.views import InstanceView
 
-__all__ = ["SCRAPE_PATH", "BackendState", "Lease", "ScrapedMetrics", "parse_vllm_metrics"]
+__all__ = [
+    "ACTIVE",
+    "DRAINING",
+    "REMOVED",
+    "SCRAPE_PATH",
+    "STATES",
+    "BackendState",
+    "Lease",
+    "ScrapedMetrics",
+    "parse_vllm_metrics",
+]
+
+ACTIVE = "active"
+"""Membership: takes new requests (when healthy)."""
+DRAINING = "draining"
+"""Membership: takes no new requests; its requests in flight run to their end, then it is removed."""
+REMOVED = "removed"
+"""Membership: gone; kept (never reused) so that its index stays unique in the process."""
+STATES = (ACTIVE, DRAINING, REMOVED)
 
 _RUNNING = b"vllm:num_requests_running"
 _WAITING = b"vllm:num_requests_waiting"
@@ -138,8 +156,13 @@ def parse_vllm_metrics(text: bytes, at: float) -> ScrapedMetrics | None:
 
 
 class BackendState:
-    """Mutable state of one backend. Mutated only by :class:`Lease`, the scraper and the health
-    checker (all on the router's event loop)."""
+    """Mutable state of one backend. Mutated only by :class:`Lease`, the scraper, the health
+    checker and the membership operations of :class:`~kvroute.server.router.RouterCore` (all on the
+    router's event loop).
+
+    ``state``: :data:`ACTIVE`, :data:`DRAINING` or :data:`REMOVED` (see those). ``healthy``: admitted by
+    the health checks (a backend added at runtime starts unhealthy and is admitted by its first good
+    check). Only an active, healthy backend is a routing candidate."""
 
     __slots__ = (
         "failures",
@@ -148,19 +171,21 @@ class BackendState:
         "requests_total",
         "scraped",
         "slot",
+        "state",
         "successes",
         "table",
         "url",
     )
 
-    def __init__(self, index: int, url: str, table: LoadTable | None = None) -> None:
+    def __init__(self, index: int, url: str, table: LoadTable | None = None, healthy: bool = True) -> None:
         self.index = index
         self.url = url
         self.table = table if table is not None else LoadTable.local()
         self.slot = self.table.slot(url)
         self.requests_total = 0
         self.scraped: ScrapedMetrics | None = None
-        self.healthy = True
+        self.healthy = healthy
+        self.state = ACTIVE
         self.failures = 0  # consecutive failed health checks
         self.successes = 0  # consecutive good health checks while ejected
 
@@ -180,6 +205,16 @@ class BackendState:
     @property
     def blocks(self) -> int:
         return self.table.own(self.slot)[3]
+
+    @property
+    def routable(self) -> bool:
+        """Active and healthy: may take a new request."""
+        return self.healthy and self.state == ACTIVE
+
+    @property
+    def idle(self) -> bool:
+        """No request of this process in flight on it (its own LoadTable row is zero)."""
+        return not any(self.table.own(self.slot))
 
     def view(self, now: float, stale_s: float) -> InstanceView:
         """The merged load view (see the module docstring); ``now`` on the monotonic clock."""

@@ -21,6 +21,10 @@ The command-line flags and the YAML file that build it are read by :mod:`kvroute
     drain_grace_s: 2.0                        # SIGTERM: /health 503 at once, new requests refused after
     drain_timeout_s: 30.0                     # in-flight requests awaited this long, then ended
     features: {hotspot: true, monitor: true}  # production features, see kvroute.commands.settings
+    discover: [dns://engines.default.svc:8000, file:///etc/kvroute/backends.yaml]
+    discover_interval_s: 5.0                  # DNS re-resolved / file's mtime checked this often
+    discover_kv_events: tcp://{host}:5557     # discovered backends' KV events (absent: approximate)
+    admin_token: null                         # the admin API's bearer token (prefer the env variable)
     ...                                       # any other RouterConfig field by name
 
 A backend mapping may carry ``tags: [spot]`` (spot instances, see ``features.limits``).
@@ -28,7 +32,7 @@ A backend mapping may carry ``tags: [spot]`` (spot instances, see ``features.lim
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from kvroute.errors import UserError
@@ -89,6 +93,13 @@ class RouterConfig:
       are still served for ``drain_grace_s`` seconds (so a load balancer sees the 503 first), then
       refused (503) and the listening socket is closed; requests in flight are awaited for up to
       ``drain_timeout_s`` seconds more, then ended (a stream with an SSE error event).
+    - ``admin_token``: the bearer token of the admin API (``/admin/backends``, see
+      :mod:`kvroute.server.admin`); None: the admin API is off (its routes are not registered). Not
+      shown in ``repr``.
+    - ``discover``: discovery sources, ``dns://NAME:PORT`` or ``file://PATH`` (see
+      :mod:`kvroute.server.discovery`), checked every ``discover_interval_s`` seconds; the backends
+      they list join ``backends`` (which discovery never removes). ``discover_kv_events``: the KV event
+      endpoint of a DNS-discovered backend, a template with ``{host}`` (None: approximate view).
     """
 
     backends: tuple[BackendSpec, ...]
@@ -116,11 +127,28 @@ class RouterConfig:
     drain_grace_s: float = 2.0
     drain_timeout_s: float = 30.0
     features: FeatureConfig | None = None  # production features (kvroute.features); None: all off
+    admin_token: str | None = field(default=None, repr=False)
+    discover: tuple[str, ...] = ()
+    discover_interval_s: float = 5.0
+    discover_kv_events: str | None = None
 
     def validate(self) -> RouterConfig:
         """Return self; raise :class:`UserError` for a value out of range."""
-        if not self.backends:
-            raise UserError("at least one backend is needed (--backend URL or 'backends' in the config)")
+        if not self.backends and not self.discover:
+            raise UserError(
+                "at least one backend is needed (--backend URL, 'backends' in the config, or --discover)"
+            )
+        for src in self.discover:
+            if not src.startswith(("dns://", "file://")):
+                raise UserError(f"config: discover {src!r} must be dns://NAME:PORT or file://PATH")
+        if self.discover_kv_events is not None and not self.discover_kv_events.startswith(
+            ("tcp://", "ipc://")
+        ):
+            raise UserError(
+                f"config: discover_kv_events={self.discover_kv_events!r} must be a tcp:// template"
+            )
+        if self.admin_token is not None and not self.admin_token.strip():
+            raise UserError("config: admin_token must not be empty")
         urls = [b.url for b in self.backends]
         if len(set(urls)) != len(urls):
             raise UserError("a backend URL is listed twice")
@@ -143,6 +171,7 @@ class RouterConfig:
             ("retry_after_s", self.retry_after_s >= 0),
             ("drain_grace_s", 0 <= self.drain_grace_s < float("inf")),
             ("drain_timeout_s", 0 <= self.drain_timeout_s < float("inf")),
+            ("discover_interval_s", 0 < self.discover_interval_s < float("inf")),
         ]
         for name, ok in checks:
             if not ok:

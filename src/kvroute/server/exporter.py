@@ -4,8 +4,10 @@ Metric names (all prefixed ``kvroute_``): ``requests_total{outcome}``, ``retries
 ``backend_healthy{backend}``, ``backend_waiting{backend}``, ``backend_running{backend}``,
 ``backend_queued_prefill_tokens{backend}``, ``backend_routed_total{backend}``,
 ``kv_view_mode{backend,mode}``, ``kv_event_batches_total{backend}``, ``kv_event_gaps_total{backend}``,
+``backends{state}`` (how many backends are ``active``, ``draining``, ``removed``),
 ``tokenizer_cache_hits_total``, ``tokenizer_cache_misses_total``, ``routing_seconds_total``,
-``routed_total``. Each router owns its own ``CollectorRegistry``.
+``routed_total``. Each router owns its own ``CollectorRegistry``. The per-backend series cover active and draining
+backends (a draining one's in-flight gauges show its drain); a removed backend's series disappear.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvroute.server.backends import STATES
 from kvroute.server.events import EventSubscriber
 from kvroute.server.router import RouterCore
 
@@ -62,7 +65,11 @@ class RouterCollector(Collector):
             "kvroute_kv_view_mode", "KV view mode of the backend", labels=["backend", "mode"]
         )
         now = core.clock()
-        for b in core.backends:
+        states = GaugeMetricFamily("kvroute_backends", "Backends by membership state", labels=["state"])
+        for state in STATES:
+            states.add_metric([state], sum(1 for b in core.backends if b.state == state))
+        yield states
+        for b in core.live_backends():
             fams["healthy"].add_metric([b.url], 1.0 if b.healthy else 0.0)
             fams["waiting"].add_metric([b.url], b.waiting)
             fams["running"].add_metric([b.url], b.running)

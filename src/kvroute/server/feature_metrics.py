@@ -27,10 +27,14 @@ _DECISION_KINDS = ("spot_excluded", "p_token_capped", "warming_capped", "load_re
 
 
 class FeatureCollector(Collector):
-    """``backends`` lists ``(index, label)`` of the router's backends; ``clock`` gives ``now``."""
+    """``backends`` lists ``(index, label)`` of the router's backends, or is a function returning
+    them at each scrape (backends that come and go); ``clock`` gives ``now``."""
 
     def __init__(
-        self, guard: Guarded, backends: Sequence[tuple[int, str]], clock: Callable[[], float]
+        self,
+        guard: Guarded,
+        backends: Sequence[tuple[int, str]] | Callable[[], Sequence[tuple[int, str]]],
+        clock: Callable[[], float],
     ) -> None:
         self.guard = guard
         self.backends = backends
@@ -77,7 +81,8 @@ class FeatureCollector(Collector):
         if g.warmup is not None:
             now = self.clock()
             warming = GaugeMetricFamily("kvroute_cold_start_warming", "1 while warming", labels=["backend"])
-            for index, label in self.backends:
+            backends = self.backends() if callable(self.backends) else self.backends
+            for index, label in backends:
                 warming.add_metric([label], 1.0 if g.warmup.warming(index, now) else 0.0)
             yield warming
             yield CounterMetricFamily(

@@ -1,10 +1,10 @@
 """Background loops: active health checks and metric scraping of every backend, TTL expiry.
 
-- Health: ``GET /health`` every ``health_interval_s`` (timeout ``health_timeout_s``); a 2xx is a
-  pass. ``eject_after`` consecutive failures eject a backend; ``readmit_after`` consecutive passes
+- Health: ``GET /health`` of every active backend (not draining or removed) every
+  ``health_interval_s`` (timeout ``health_timeout_s``); a 2xx is a pass. ``eject_after`` consecutive failures eject a backend; ``readmit_after`` consecutive passes
   re-admit it (a connection error on a proxied request ejects at once, see the proxy).
 - Scrape: ``GET /metrics`` (restricted to the samples it reads, ``backends.SCRAPE_PATH``) of every
-  healthy backend every ``scrape_interval_s``; parsed with
+  active healthy backend every ``scrape_interval_s``; parsed with
   :func:`~kvroute.server.backends.parse_vllm_metrics` into ``BackendState.scraped``. A failed scrape
   leaves the old value, which the load view ignores once older than ``scrape_stale_s``.
 """
@@ -17,7 +17,7 @@ import logging
 import orjson
 
 from kvroute.features.coldstart import Prefix
-from kvroute.server.backends import SCRAPE_PATH, BackendState, Lease, parse_vllm_metrics
+from kvroute.server.backends import ACTIVE, SCRAPE_PATH, BackendState, Lease, parse_vllm_metrics
 from kvroute.server.router import RouterCore
 from kvroute.server.transport import Transport, UpstreamError
 
@@ -53,9 +53,11 @@ class Monitor:
                 resp.abort()
         except (UpstreamError, TimeoutError):
             ok = False
+        if backend.state != ACTIVE:
+            return ok  # drained or removed while the check ran
         if ok:
             if backend.check_passed(cfg.readmit_after):
-                log.warning("re-admitted backend %s", backend.url)
+                log.warning("admitted backend %s", backend.url)
                 self.core.backend_reset(backend.index)  # cold start: it restarted (or joined)
         elif backend.check_failed(cfg.eject_after):
             log.warning("ejected backend %s after %d failed health checks", backend.url, backend.failures)
@@ -85,7 +87,7 @@ class Monitor:
     async def health_loop(self) -> None:
         interval = self.core.config.health_interval_s
         while True:
-            await asyncio.gather(*(self.check_health(b) for b in self.core.backends))
+            await asyncio.gather(*(self.check_health(b) for b in self.core.backends if b.state == ACTIVE))
             self.core.kv.expire(self.core.clock())
             await asyncio.sleep(interval)
 
@@ -96,6 +98,8 @@ class Monitor:
             return False
         core, cfg = self.core, self.core.config
         backend = core.backends[index]
+        if not backend.routable:
+            return False
         body: dict[str, object] = {"prompt": list(prefix.tokens), "max_tokens": 1}
         if prefix.model is not None:
             body["model"] = prefix.model
@@ -144,5 +148,5 @@ class Monitor:
         for no measurable gain.)"""
         interval = self.core.config.scrape_interval_s
         while True:
-            await asyncio.gather(*(self.scrape(b) for b in self.core.backends if b.healthy))
+            await asyncio.gather(*(self.scrape(b) for b in self.core.backends if b.routable))
             await asyncio.sleep(interval)

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import orjson
 from aiohttp import web
 
-from kvroute.server.backends import BackendState, Lease
+from kvroute.server.backends import ACTIVE, BackendState, Lease
 from kvroute.server.chainmemo import Piece
 from kvroute.server.router import Plan, QuotaExceeded, RouterCore
 from kvroute.server.tokenize import Pending
@@ -369,8 +369,8 @@ class Proxy:
         last_error = "no backend available"
         for n, idx in enumerate(attempts):
             backend = core.backends[idx]
-            if n and not backend.healthy:
-                continue
+            if backend.state != ACTIVE or (n and not backend.healthy):
+                continue  # drained or removed since the plan (the first choice is tried even if ejected)
             if n:
                 counters.retries += 1
             # A backend whose KV view is exact needs the routing history only as a fallback for a

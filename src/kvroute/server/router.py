@@ -1,5 +1,12 @@
 """The routing core: request → token blocks → KV match → instance views → policy → ordered backends.
 
+Membership (backends that come and go) changes here and only here: :meth:`RouterCore.add_backend`,
+:meth:`RouterCore.drain_backend`, :meth:`RouterCore.remove_backend`, :meth:`RouterCore.update_backend`;
+the policy and features are swapped with :meth:`RouterCore.set_policy`. A backend's index (its KV view
+bit, ``InstanceView.index``) is never reused in a process: a removed backend stays in ``backends``
+with ``state == "removed"``. The server side (event subscribers, health checks, reconciling a desired
+list) is :mod:`kvroute.server.fleet`.
+
 No sockets here: backends are reached through the :class:`~kvroute.server.transport.Transport` given
 to the proxy, and the clock is injected (``clock()`` returns monotonic seconds), so this runs the same
 under tests and in production.
@@ -17,12 +24,13 @@ from dataclasses import dataclass
 from kvroute.blocks import hash_blocks
 from kvroute.features.classes import CLASS_HEADER, resolve_class
 from kvroute.features.coldstart import Prefix
+from kvroute.features.settings import FeatureConfig
 from kvroute.policies.base import Policy
 from kvroute.routing.core import Decision, RouteRequest, RoutingCore, with_features
 from kvroute.routing.kvview import KVView
-from kvroute.server.backends import BackendState
+from kvroute.server.backends import ACTIVE, DRAINING, REMOVED, BackendState
 from kvroute.server.chainmemo import ChainMemo, Piece
-from kvroute.server.config import RouterConfig
+from kvroute.server.config import BackendSpec, RouterConfig
 from kvroute.server.loadtable import LoadTable
 from kvroute.server.tokenize import Pending, RequestTokenizer
 from kvroute.server.validate import ApiError, ParsedRequest
@@ -98,6 +106,7 @@ class RouterCore:
         # In-flight load: this process's table unless given one shared by the machine's workers.
         self.table = table if table is not None else LoadTable.local()
         self.backends = [BackendState(i, b.url, self.table) for i, b in enumerate(config.backends)]
+        self.specs = list(config.backends)  # specs[i]: what backend i was added with (or updated to)
         self.kv = KVView(
             num_backends=len(self.backends),
             block_size=config.block_size,
@@ -113,8 +122,98 @@ class RouterCore:
         self.guard = self.routing.guard  # production features' state, when any is on
         self._tags = {i: frozenset(b.tags) for i, b in enumerate(config.backends) if b.tags}
         self.preloads: list[tuple[int, Prefix]] = []  # cold-start preloads for the monitor to send
-        if self.guard is not None and self.guard.warmup is not None:
-            self.kv.on_cleared = self.backend_reset
+        self._watch_cleared()
+
+    def _watch_cleared(self) -> None:
+        warm = self.guard is not None and self.guard.warmup is not None
+        self.kv.on_cleared = self.backend_reset if warm else None
+
+    # ---- membership -----------------------------------------------------------------------------
+
+    def find(self, url: str) -> BackendState | None:
+        """The backend with ``url`` that is not removed (at most one), or None."""
+        for b in self.backends:
+            if b.url == url and b.state != REMOVED:
+                return b
+        return None
+
+    def add_backend(self, spec: BackendSpec, healthy: bool = False) -> BackendState:
+        """A backend joins: a new index (never a reused one), an empty KV view (exact when
+        ``spec.kv_events``), ``state == "active"``. ``healthy=False`` (the default at runtime): it
+        takes no traffic until a health check admits it, and that admission starts its cold start
+        (:meth:`backend_reset`, via the monitor); ``healthy=True``: admitted now, cold start now.
+        Raises ValueError when a backend with that URL is already listed (active or draining)."""
+        if self.find(spec.url) is not None:
+            raise ValueError(f"backend {spec.url} is already listed")
+        index = self.kv.add_backend(exact=spec.kv_events is not None)
+        if index != len(self.backends):  # pragma: no cover - both grow together, only here
+            raise RuntimeError(f"KV view index {index} != backend count {len(self.backends)}")
+        state = BackendState(index, spec.url, self.table, healthy=healthy)
+        self.backends.append(state)
+        self.specs.append(spec)
+        self._set_tags(index, spec)
+        if healthy:
+            self.backend_reset(index)
+        return state
+
+    def update_backend(self, index: int, spec: BackendSpec) -> None:
+        """Backend ``index`` is now described by ``spec`` (same URL): its tags, and its KV view mode
+        when ``kv_events`` appeared or went (see :meth:`KVView.set_exact`). The event subscriber is the
+        caller's (:mod:`kvroute.server.fleet`)."""
+        old = self.specs[index]
+        if spec.url != old.url:
+            raise ValueError(f"backend {index} is {old.url}, not {spec.url}")
+        self.specs[index] = spec
+        self._set_tags(index, spec)
+        self.kv.set_exact(index, spec.kv_events is not None, self.clock())
+
+    def _set_tags(self, index: int, spec: BackendSpec) -> None:
+        if spec.tags:
+            self._tags[index] = frozenset(spec.tags)
+        else:
+            self._tags.pop(index, None)
+
+    def drain_backend(self, index: int) -> None:
+        """Backend ``index`` takes no new requests from now on (its requests in flight go on);
+        :meth:`remove_backend` once it is idle (``BackendState.idle``). A removed one stays removed."""
+        b = self.backends[index]
+        if b.state == ACTIVE:
+            b.state = DRAINING
+
+    def reactivate_backend(self, index: int) -> bool:
+        """A draining backend is wanted again: active again (its KV view was kept). True if it was
+        draining."""
+        b = self.backends[index]
+        if b.state != DRAINING:
+            return False
+        b.state = ACTIVE
+        return True
+
+    def remove_backend(self, index: int) -> None:
+        """Backend ``index`` is gone: ``state == "removed"``, its exact and approximate KV view
+        entries are dropped; its index is never reused. Call it once the backend is idle (leases
+        still out would otherwise count on its LoadTable slot, which a re-added URL reuses)."""
+        b = self.backends[index]
+        b.state = REMOVED
+        b.healthy = False
+        b.scraped = None
+        self._tags.pop(index, None)
+        self.kv.remove_backend(index)
+
+    def live_backends(self) -> list[BackendState]:
+        """Backends not removed (active and draining), by index."""
+        return [b for b in self.backends if b.state != REMOVED]
+
+    def set_policy(self, name: str, policy: Policy, features: FeatureConfig | None) -> None:
+        """Route with ``policy`` (the registry's ``name``) wrapped with ``features`` from now on (SIGHUP reload). The KV view,
+        the backends and their in-flight counters stay; the features' state (warm-ups, hot-spot
+        alarms, quotas) starts afresh. Mutates ``policy``, ``routing``, ``guard``, ``config``."""
+        routing = RoutingCore(with_features(policy, features), self.kv)  # UserError: nothing changed
+        self.policy = policy
+        self.routing = routing
+        self.guard = self.routing.guard
+        self.config = dataclasses.replace(self.config, policy=name, features=features)
+        self._watch_cleared()
 
     @property
     def defer_tokenize(self) -> bool:
@@ -164,7 +263,7 @@ class RouterCore:
         client's, for the class header and the API key). Raises ApiError(503) when no backend is
         healthy, 400 for untokenizable input or an unknown request class, QuotaExceeded (429) over
         quota. ``hashes``: the block hashes of ``ids`` when already computed (:meth:`hashed`)."""
-        candidates = [b for b in self.backends if b.healthy]
+        candidates = [b for b in self.backends if b.healthy and b.state == ACTIVE]
         if not candidates:
             raise ApiError(503, "no healthy backend", etype="service_unavailable")
         if ids is None:

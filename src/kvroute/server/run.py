@@ -3,7 +3,13 @@
 Signals (see :class:`Signals`): the first SIGTERM or SIGINT starts a graceful shutdown
 (:meth:`kvroute.server.app.RouterServer.shutdown`: ``/health`` 503 at once, new requests refused after
 ``drain_grace_s``, requests in flight awaited up to ``drain_timeout_s``); a second one ends the drain at
-once. Either way the process exits 0. SIGHUP is logged and ignored (config reload is not supported yet).
+once. Either way the process exits 0.
+
+SIGHUP reloads the config (:class:`Reloader`): ``kvroute serve --config FILE`` re-reads FILE, merges
+the command-line flags over it as at start, and applies the backends, the policy and the features
+(:meth:`RouterServer.apply_config`; requests in flight are not touched); one line on stderr says what
+changed. A file that cannot be read or is invalid is rejected with one line naming it and the error,
+and the old config stays. Without ``--config`` a line says there is nothing to reload.
 """
 
 from __future__ import annotations
@@ -13,12 +19,40 @@ import contextlib
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from kvroute.errors import UserError
 from kvroute.server.app import RouterServer
 from kvroute.server.config import RouterConfig
+from kvroute.server.discovery import ParseBackends
 
-__all__ = ["Signals", "run_loop", "serve_forever", "serve_until_signal", "wait_for_signal"]
+__all__ = ["Reloader", "Signals", "run_loop", "serve_forever", "serve_until_signal", "wait_for_signal"]
+
+
+def _say(line: str) -> None:
+    print(f"kvroute: {line}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Reloader:
+    """What SIGHUP reloads: ``path`` (the ``--config`` file; None: nothing to reload) and ``load``,
+    which re-reads it with the command-line flags merged over it (raises UserError)."""
+
+    path: str | None
+    load: Callable[[], RouterConfig]
+
+    def reload(self, server: RouterServer) -> bool:
+        """Reload into ``server``; one line on stderr either way. True if applied."""
+        if self.path is None:
+            _say("SIGHUP: no --config file: nothing to reload; still serving")
+            return False
+        try:
+            summary = server.apply_config(self.load())
+        except (UserError, ValueError, TypeError) as exc:
+            _say(f"SIGHUP: {self.path} rejected, keeping the old config: {exc}")
+            return False
+        _say(f"SIGHUP: reloaded {self.path}: {summary}")
+        return True
 
 
 class Signals:
@@ -26,12 +60,13 @@ class Signals:
 
     - ``stop``: set by the first SIGTERM or SIGINT;
     - ``hurry``: set by the next one (end the drain now);
-    - SIGHUP: a line on stderr, nothing else (it no longer kills the process).
+    - SIGHUP: ``on_hup()`` (a reload) when given, else a line on stderr; never kills the process.
     """
 
     HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-    def __init__(self) -> None:
+    def __init__(self, on_hup: Callable[[], object] | None = None) -> None:
+        self.on_hup = on_hup
         self.stop = asyncio.Event()
         self.hurry = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -53,11 +88,10 @@ class Signals:
     def _on_signal(self, sig: signal.Signals) -> None:
         name = signal.Signals(sig).name
         if sig == signal.SIGHUP:
-            print(
-                f"kvroute: {name}: config reload is not supported yet; still serving",
-                file=sys.stderr,
-                flush=True,
-            )
+            if self.on_hup is not None:
+                self.on_hup()
+            else:
+                _say(f"{name}: nothing to reload here; still serving")
         elif not self.stop.is_set():
             print(f"kvroute: {name}: shutting down gracefully", file=sys.stderr, flush=True)
             self.stop.set()
@@ -72,9 +106,11 @@ async def wait_for_signal() -> None:
         await signals.stop.wait()
 
 
-async def serve_until_signal(server: RouterServer) -> None:
-    """Serve until SIGTERM/SIGINT, then drain and stop ``server`` (see the module docstring)."""
-    with Signals() as signals:
+async def serve_until_signal(server: RouterServer, reloader: Reloader | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then drain and stop ``server``; SIGHUP reloads with ``reloader``
+    (see the module docstring)."""
+    reload = None if reloader is None else (lambda: reloader.reload(server))
+    with Signals(reload) as signals:
         try:
             await signals.stop.wait()
         except BaseException:
@@ -92,19 +128,30 @@ def run_loop(main: Callable[[], Awaitable[int]]) -> int:
     return uvloop.run(main())  # type: ignore[arg-type]
 
 
-def serve_forever(config: RouterConfig) -> int:
+def serve_forever(
+    config: RouterConfig,
+    reloader: Reloader | None = None,
+    parse_backends: ParseBackends | None = None,
+) -> int:
+    """``kvroute serve``: run the router until SIGTERM/SIGINT (``reloader``: what SIGHUP reloads;
+    ``parse_backends``: the reader of discovery files, see :mod:`kvroute.server.discovery`)."""
+
     async def main() -> int:
-        server = RouterServer(config)
+        server = RouterServer(config, parse_backends=parse_backends)
         try:
             url = await server.start()
         except OSError as exc:
             await server.stop()
             raise UserError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
         modes = ", ".join(f"{b.url} ({'exact' if b.kv_events else 'approx'})" for b in config.backends)
+        found = f" discover: {', '.join(config.discover)}" if config.discover else ""
+        admin = " admin API on" if config.admin_token is not None else ""
         print(
-            f"kvroute serve: {url}/v1 policy={config.policy} backends: {modes}", file=sys.stderr, flush=True
+            f"kvroute serve: {url}/v1 policy={config.policy} backends: {modes or '(none yet)'}{found}{admin}",
+            file=sys.stderr,
+            flush=True,
         )
-        await serve_until_signal(server)
+        await serve_until_signal(server, reloader)
         return 0
 
     return run_loop(main)

@@ -28,6 +28,9 @@ _SIMPLE = {
     "eject_after": "eject_after",
     "drain_grace": "drain_grace_s",
     "drain_timeout": "drain_timeout_s",
+    "peer_bind": "peer_bind",
+    "peer_expiry": "peer_expiry_s",
+    "peer_refresh": "peer_refresh_s",
 }
 
 
@@ -87,9 +90,38 @@ def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> N
         help="on SIGTERM: wait up to S seconds (default 30) for requests in flight, then end them "
         "(streams with an SSE error event)",
     )
+    add_peer_arguments(p)
     from kvroute.commands.settings import add_feature_arguments
 
     add_feature_arguments(p)
+
+
+def add_peer_arguments(p: argparse.ArgumentParser) -> None:
+    """Router replicas sharing their reservations (kvroute.server.peers)."""
+    g = p.add_argument_group("router replicas (also the config's peer_* keys)")
+    g.add_argument(
+        "--peer-bind",
+        metavar="tcp://HOST:PORT",
+        help="receive the other replicas' reservations here (ZMQ SUB)",
+    )
+    g.add_argument(
+        "--peers",
+        metavar="ENDPOINTS",
+        help="announce this replica's reservations to these, comma-separated: tcp://HOST:PORT, or "
+        "dns://NAME:PORT for every address of NAME (re-resolved every 5 s; a headless Service)",
+    )
+    g.add_argument(
+        "--peer-expiry",
+        type=seconds,
+        metavar="S",
+        help="forget a peer's reservations after S seconds without a message from it (default 3)",
+    )
+    g.add_argument(
+        "--peer-refresh",
+        type=seconds,
+        metavar="S",
+        help="re-announce this replica's whole load every S seconds (default 1)",
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,7 +140,10 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
 
 def overrides(args: argparse.Namespace) -> dict[str, Any]:
     """RouterConfig fields set by flags."""
-    return {field: getattr(args, dest) for dest, field in _SIMPLE.items() if getattr(args, dest) is not None}
+    out = {field: getattr(args, dest) for dest, field in _SIMPLE.items() if getattr(args, dest) is not None}
+    if getattr(args, "peers", None) is not None:
+        out["peers"] = tuple(p.strip() for p in args.peers.split(",") if p.strip())
+    return out
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:

@@ -25,6 +25,7 @@ from kvroute.server.exporter import RouterCollector, render_metrics
 from kvroute.server.feature_metrics import FeatureCollector
 from kvroute.server.h1 import H1Transport
 from kvroute.server.monitor import Monitor
+from kvroute.server.peers import PeerCollector, PeerLink, PeerSettings
 from kvroute.server.proxy import Proxy, error_response
 from kvroute.server.router import RouterCore
 from kvroute.server.tokenize import RequestTokenizer
@@ -75,7 +76,18 @@ class RouterServer:
         if self.core.guard is not None:  # production features: alarms, score histogram, warming
             labels = [(b.index, b.url) for b in self.core.backends]
             self.registry.register(FeatureCollector(self.core.guard, labels, self.core.clock))
+        self.peers = self._make_peers()
         self.url = ""
+
+    def _make_peers(self) -> PeerLink | None:
+        """Router replicas (``peer_bind``/``peers``): this one's publisher and receiver, if any."""
+        cfg = self.config
+        if cfg.peer_bind is None and not cfg.peers:
+            return None
+        settings = PeerSettings(cfg.peer_bind, cfg.peers, cfg.peer_expiry_s, cfg.peer_refresh_s)
+        link = PeerLink(settings, self.core.table, self.core.clock)
+        self.registry.register(PeerCollector(link, lambda: [(b.url, b.slot) for b in self.core.backends]))
+        return link
 
     def make_app(self) -> web.Application:
         # The body limit is enforced by the proxy (OpenAI-style 413), so aiohttp's own is lifted.
@@ -110,6 +122,8 @@ class RouterServer:
                 sub = EventSubscriber(self._zmq, i, b.kv_events, b.kv_replay, self.core.kv, self.core.clock)
                 self.subscribers.append(sub)
                 self._tasks.append(asyncio.create_task(sub.run()))
+        if self.peers is not None:
+            self._tasks.extend(self.peers.start())
         self._tasks.append(asyncio.create_task(self.monitor.health_loop()))
         self._tasks.append(asyncio.create_task(self.monitor.scrape_loop()))
         if self.core.guard is not None and self.core.guard.warmup is not None:
@@ -165,6 +179,8 @@ class RouterServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.peers is not None:
+            self.peers.close()
         await self.transport.close()
         self.proxy.close()
         if self._zmq is not None:

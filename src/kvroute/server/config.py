@@ -21,6 +21,10 @@ The command-line flags and the YAML file that build it are read by :mod:`kvroute
     drain_grace_s: 2.0                        # SIGTERM: /health 503 at once, new requests refused after
     drain_timeout_s: 30.0                     # in-flight requests awaited this long, then ended
     features: {hotspot: true, monitor: true}  # production features, see kvroute.commands.settings
+    peer_bind: tcp://0.0.0.0:5600             # router replicas: receive the others' reservations here
+    peers: [dns://kvroute-peers:5600]         # ... and announce ours to these (tcp:// or dns://)
+    peer_expiry_s: 3.0                        # a silent peer's reservations vanish after this
+    peer_refresh_s: 1.0                       # each replica re-announces its whole load this often
     ...                                       # any other RouterConfig field by name
 
 A backend mapping may carry ``tags: [spot]`` (spot instances, see ``features.limits``).
@@ -89,6 +93,11 @@ class RouterConfig:
       are still served for ``drain_grace_s`` seconds (so a load balancer sees the 503 first), then
       refused (503) and the listening socket is closed; requests in flight are awaited for up to
       ``drain_timeout_s`` seconds more, then ended (a stream with an SSE error event).
+    - ``peer_bind``, ``peers``, ``peer_expiry_s``, ``peer_refresh_s``: router replicas that share their
+      reservations (:mod:`kvroute.server.peers`): receive the other replicas' at ``peer_bind``
+      (``tcp://HOST:PORT``), announce this one's to ``peers`` (``tcp://HOST:PORT`` or
+      ``dns://NAME:PORT``, every address of NAME); a re-announcement every ``peer_refresh_s`` seconds
+      heals lost messages, a peer silent for ``peer_expiry_s`` seconds is forgotten.
     """
 
     backends: tuple[BackendSpec, ...]
@@ -116,6 +125,10 @@ class RouterConfig:
     drain_grace_s: float = 2.0
     drain_timeout_s: float = 30.0
     features: FeatureConfig | None = None  # production features (kvroute.features); None: all off
+    peer_bind: str | None = None
+    peers: tuple[str, ...] = ()
+    peer_expiry_s: float = 3.0
+    peer_refresh_s: float = 1.0
 
     def validate(self) -> RouterConfig:
         """Return self; raise :class:`UserError` for a value out of range."""
@@ -147,9 +160,25 @@ class RouterConfig:
         for name, ok in checks:
             if not ok:
                 raise UserError(f"config: {name}={getattr(self, name)!r} is out of range")
+        self._validate_peers()
         if self.tokenize not in TOKENIZE_MODES:
             raise UserError(f"config: tokenize={self.tokenize!r} must be one of {', '.join(TOKENIZE_MODES)}")
         return self
+
+    def _validate_peers(self) -> None:
+        from kvroute.server.peers import parse_peer_endpoint
+
+        if self.peer_bind is not None:
+            parse_peer_endpoint(self.peer_bind, dns=False)
+        for p in self.peers:
+            parse_peer_endpoint(p)
+        if not 0 < self.peer_refresh_s < float("inf"):
+            raise UserError(f"config: peer_refresh_s={self.peer_refresh_s!r} must be > 0 seconds")
+        if not self.peer_refresh_s < self.peer_expiry_s < float("inf"):
+            raise UserError(
+                f"config: peer_expiry_s={self.peer_expiry_s!r} must be longer than "
+                f"peer_refresh_s={self.peer_refresh_s!r} (3 refreshes or more is wise)"
+            )
 
 
 def parse_backend_url(url: str) -> str:

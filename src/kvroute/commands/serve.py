@@ -32,6 +32,9 @@ _SIMPLE = {
     "admin_token": "admin_token",
     "discover_interval": "discover_interval_s",
     "discover_kv_events": "discover_kv_events",
+    "peer_bind": "peer_bind",
+    "peer_expiry": "peer_expiry_s",
+    "peer_refresh": "peer_refresh_s",
 }
 
 ADMIN_TOKEN_ENV = "KVROUTE_ADMIN_TOKEN"
@@ -124,9 +127,38 @@ def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> N
         help=f"turn the admin API on (/admin/backends), with this bearer token (or set {ADMIN_TOKEN_ENV}); "
         "without one the admin API is off",
     )
+    add_peer_arguments(p)
     from kvroute.commands.settings import add_feature_arguments
 
     add_feature_arguments(p)
+
+
+def add_peer_arguments(p: argparse.ArgumentParser) -> None:
+    """Router replicas sharing their reservations (kvroute.server.peers)."""
+    g = p.add_argument_group("router replicas (also the config's peer_* keys)")
+    g.add_argument(
+        "--peer-bind",
+        metavar="tcp://HOST:PORT",
+        help="receive the other replicas' reservations here (ZMQ SUB)",
+    )
+    g.add_argument(
+        "--peers",
+        metavar="ENDPOINTS",
+        help="announce this replica's reservations to these, comma-separated: tcp://HOST:PORT, or "
+        "dns://NAME:PORT for every address of NAME (re-resolved every 5 s; a headless Service)",
+    )
+    g.add_argument(
+        "--peer-expiry",
+        type=seconds,
+        metavar="S",
+        help="forget a peer's reservations after S seconds without a message from it (default 3)",
+    )
+    g.add_argument(
+        "--peer-refresh",
+        type=seconds,
+        metavar="S",
+        help="re-announce this replica's whole load every S seconds (default 1)",
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -153,6 +185,8 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["admin_token"] = os.environ[ADMIN_TOKEN_ENV]
     if getattr(args, "discover", None):
         out["discover"] = tuple(args.discover)
+    if getattr(args, "peers", None) is not None:
+        out["peers"] = tuple(p.strip() for p in args.peers.split(",") if p.strip())
     return out
 
 

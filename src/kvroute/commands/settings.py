@@ -637,6 +637,11 @@ def config_from_mapping(data: Mapping[str, Any], where: str = "config") -> Route
                 raise UserError(f"{where}: 'discover' must be a list of dns:// or file:// strings")
             kwargs["discover"] = tuple(value)
             continue
+        if key == "peers":  # a list of endpoints (checked by RouterConfig.validate)
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise UserError(f"{where}: 'peers' must be a list of tcp://HOST:PORT or dns://NAME:PORT")
+            kwargs["peers"] = tuple(value)
+            continue
         f = _ROUTER_FIELDS.get(key)
         if f is None:
             raise UserError(f"{where}: unknown key {key!r}")

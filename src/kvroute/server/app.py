@@ -34,6 +34,7 @@ from kvroute.server.feature_metrics import FeatureCollector
 from kvroute.server.fleet import STATIC, Changes, Fleet
 from kvroute.server.h1 import H1Transport
 from kvroute.server.monitor import Monitor
+from kvroute.server.peers import PeerCollector, PeerLink, PeerSettings
 from kvroute.server.proxy import Proxy, error_response
 from kvroute.server.router import RouterCore
 from kvroute.server.tokenize import RequestTokenizer
@@ -88,6 +89,7 @@ class RouterServer:
         self._features: FeatureCollector | None = None
         self._register_features()
         self._preloading: asyncio.Task[None] | None = None
+        self.peers = self._make_peers()
         self.url = ""
 
     def _register_features(self) -> None:
@@ -100,6 +102,18 @@ class RouterServer:
             labels = lambda: [(b.index, b.url) for b in core.live_backends()]  # noqa: E731
             self._features = FeatureCollector(core.guard, labels, core.clock)
             self.registry.register(self._features)
+
+    def _make_peers(self) -> PeerLink | None:
+        """Router replicas (``peer_bind``/``peers``): this one's publisher and receiver, if any."""
+        cfg = self.config
+        if cfg.peer_bind is None and not cfg.peers:
+            return None
+        settings = PeerSettings(cfg.peer_bind, cfg.peers, cfg.peer_expiry_s, cfg.peer_refresh_s)
+        link = PeerLink(settings, self.core.table, self.core.clock)
+        self.registry.register(
+            PeerCollector(link, lambda: [(b.url, b.slot) for b in self.core.live_backends()])
+        )
+        return link
 
     def make_app(self) -> web.Application:
         # The body limit is enforced by the proxy (OpenAI-style 413), so aiohttp's own is lifted.
@@ -129,6 +143,8 @@ class RouterServer:
 
     def _start_background(self) -> None:
         self.fleet.start()
+        if self.peers is not None:
+            self._tasks.extend(self.peers.start())
         self._tasks.append(asyncio.create_task(self.monitor.health_loop()))
         self._tasks.append(asyncio.create_task(self.monitor.scrape_loop()))
         self._tasks.append(asyncio.create_task(self.fleet.reap_loop()))
@@ -234,6 +250,8 @@ class RouterServer:
             self._runner = None
         self._preloading = None
         await self.fleet.stop()
+        if self.peers is not None:
+            self.peers.close()
         await self.transport.close()
         self.proxy.close()
 

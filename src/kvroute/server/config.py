@@ -25,6 +25,10 @@ The command-line flags and the YAML file that build it are read by :mod:`kvroute
     discover_interval_s: 5.0                  # DNS re-resolved / file's mtime checked this often
     discover_kv_events: tcp://{host}:5557     # discovered backends' KV events (absent: approximate)
     admin_token: null                         # the admin API's bearer token (prefer the env variable)
+    peer_bind: tcp://0.0.0.0:5600             # router replicas: receive the others' reservations here
+    peers: [dns://kvroute-peers:5600]         # ... and announce ours to these (tcp:// or dns://)
+    peer_expiry_s: 3.0                        # a silent peer's reservations vanish after this
+    peer_refresh_s: 1.0                       # each replica re-announces its whole load this often
     ...                                       # any other RouterConfig field by name
 
 A backend mapping may carry ``tags: [spot]`` (spot instances, see ``features.limits``).
@@ -100,6 +104,11 @@ class RouterConfig:
       :mod:`kvroute.server.discovery`), checked every ``discover_interval_s`` seconds; the backends
       they list join ``backends`` (which discovery never removes). ``discover_kv_events``: the KV event
       endpoint of a DNS-discovered backend, a template with ``{host}`` (None: approximate view).
+    - ``peer_bind``, ``peers``, ``peer_expiry_s``, ``peer_refresh_s``: router replicas that share their
+      reservations (:mod:`kvroute.server.peers`): receive the other replicas' at ``peer_bind``
+      (``tcp://HOST:PORT``), announce this one's to ``peers`` (``tcp://HOST:PORT`` or
+      ``dns://NAME:PORT``, every address of NAME); a re-announcement every ``peer_refresh_s`` seconds
+      heals lost messages, a peer silent for ``peer_expiry_s`` seconds is forgotten.
     """
 
     backends: tuple[BackendSpec, ...]
@@ -131,6 +140,10 @@ class RouterConfig:
     discover: tuple[str, ...] = ()
     discover_interval_s: float = 5.0
     discover_kv_events: str | None = None
+    peer_bind: str | None = None
+    peers: tuple[str, ...] = ()
+    peer_expiry_s: float = 3.0
+    peer_refresh_s: float = 1.0
 
     def validate(self) -> RouterConfig:
         """Return self; raise :class:`UserError` for a value out of range."""
@@ -176,9 +189,25 @@ class RouterConfig:
         for name, ok in checks:
             if not ok:
                 raise UserError(f"config: {name}={getattr(self, name)!r} is out of range")
+        self._validate_peers()
         if self.tokenize not in TOKENIZE_MODES:
             raise UserError(f"config: tokenize={self.tokenize!r} must be one of {', '.join(TOKENIZE_MODES)}")
         return self
+
+    def _validate_peers(self) -> None:
+        from kvroute.server.peers import parse_peer_endpoint
+
+        if self.peer_bind is not None:
+            parse_peer_endpoint(self.peer_bind, dns=False)
+        for p in self.peers:
+            parse_peer_endpoint(p)
+        if not 0 < self.peer_refresh_s < float("inf"):
+            raise UserError(f"config: peer_refresh_s={self.peer_refresh_s!r} must be > 0 seconds")
+        if not self.peer_refresh_s < self.peer_expiry_s < float("inf"):
+            raise UserError(
+                f"config: peer_expiry_s={self.peer_expiry_s!r} must be longer than "
+                f"peer_refresh_s={self.peer_refresh_s!r} (3 refreshes or more is wise)"
+            )
 
 
 def parse_backend_url(url: str) -> str:

@@ -21,6 +21,7 @@ by a ``multiprocessing.Lock`` (only when a backend is first seen).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
@@ -71,6 +72,9 @@ class LoadTable:
         self._lock = lock
         self._shm = owned
         self._slot_of: dict[str, int] = {}
+        # This process's listener of its own row's changes (slot, waiting, running, prefill, blocks):
+        # the peer publisher (kvroute.server.peers), called in the same step as the change.
+        self.announce: Callable[[int, int, int, int, int], None] | None = None
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -171,6 +175,9 @@ class LoadTable:
             q[i + 2] += prefill
         if blocks:
             q[i + 3] += blocks
+        announce = self.announce
+        if announce is not None:
+            announce(slot, waiting, running, prefill, blocks)
 
     def own(self, slot: int) -> tuple[int, int, int, int]:
         """This writer's (waiting, running, prefill, blocks) on ``slot``."""

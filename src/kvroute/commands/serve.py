@@ -94,6 +94,13 @@ def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> N
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_router_arguments(p)
+    p.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="router processes sharing the port (SO_REUSEPORT) and one in-flight load table "
+        "(default 1: this process); see kvroute.server.workers",
+    )
 
 
 def _pairs(items: list[str], flag: str) -> dict[str, str]:
@@ -134,7 +141,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         )
         for b in backends
     ]
-    cfg = dataclasses.replace(base, backends=tuple(backends), **overrides(args)).validate()
+    more = {"workers": args.workers} if getattr(args, "workers", None) is not None else {}
+    cfg = dataclasses.replace(base, backends=tuple(backends), **overrides(args), **more).validate()
     cfg = with_feature_flags(cfg, args)
     return cfg
 
@@ -155,4 +163,8 @@ def run(args: argparse.Namespace) -> int:
     from kvroute.server.run import serve_forever
 
     cfg = config_from_args(args)
+    if cfg.workers > 1:
+        from kvroute.server.workers import serve_workers
+
+        return serve_workers(cfg, cfg.workers)
     return serve_forever(cfg)

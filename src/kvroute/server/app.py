@@ -24,6 +24,7 @@ from kvroute.server.events import EventSubscriber
 from kvroute.server.exporter import RouterCollector, render_metrics
 from kvroute.server.feature_metrics import FeatureCollector
 from kvroute.server.h1 import H1Transport
+from kvroute.server.loadtable import LoadTable
 from kvroute.server.monitor import Monitor
 from kvroute.server.proxy import Proxy, error_response
 from kvroute.server.router import RouterCore
@@ -42,7 +43,9 @@ _ABORT_WAIT_S = 5.0
 
 class RouterServer:
     """One router: config → app, loops, subscribers. ``transport``/``tokenizer`` may be injected
-    (tests); by default :class:`~kvroute.server.h1.H1Transport` and the configured tokenizer are used."""
+    (tests); by default :class:`~kvroute.server.h1.H1Transport` and the configured tokenizer are used.
+    ``table``: the in-flight load table (a worker's view of the machine's shared one, see
+    :mod:`kvroute.server.workers`); by default one of this process alone."""
 
     def __init__(
         self,
@@ -51,6 +54,8 @@ class RouterServer:
         tokenizer: Tokenizer | None = None,
         clock: Callable[[], float] = time.monotonic,
         background: bool = True,
+        table: LoadTable | None = None,
+        reuse_port: bool = False,
     ) -> None:
         config.validate()
         self.config = config
@@ -59,7 +64,14 @@ class RouterServer:
         )
         tok = tokenizer or load_tokenizer(config.tokenizer)
         self.core = RouterCore(
-            config, RequestTokenizer(tok, config.tokenizer_cache_entries), make_policy(config.policy), clock
+            config,
+            RequestTokenizer(tok, config.tokenizer_cache_entries),
+            make_policy(config.policy),
+            clock,
+            table,
+        )
+        self.reuse_port = (
+            reuse_port  # SO_REUSEPORT: the workers of `kvroute serve --workers N` share the port
         )
         self.proxy = Proxy(self.core, self.transport)
         self.monitor = Monitor(self.core, self.transport)
@@ -91,7 +103,9 @@ class RouterServer:
         """Bind and start; returns the base URL (``http://host:port``)."""
         runner = web.AppRunner(self.make_app(), access_log=None, handler_cancellation=True)
         await runner.setup()
-        site = web.TCPSite(runner, self.config.host, self.config.port, backlog=1024)
+        site = web.TCPSite(
+            runner, self.config.host, self.config.port, backlog=1024, reuse_port=self.reuse_port or None
+        )
         await site.start()
         self._runner = runner
         self._site = site

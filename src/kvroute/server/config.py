@@ -21,6 +21,7 @@ The command-line flags and the YAML file that build it are read by :mod:`kvroute
     drain_grace_s: 2.0                        # SIGTERM: /health 503 at once, new requests refused after
     drain_timeout_s: 30.0                     # in-flight requests awaited this long, then ended
     features: {hotspot: true, monitor: true}  # production features, see kvroute.commands.settings
+    workers: 1                                # `kvroute serve` processes sharing the port (SO_REUSEPORT)
     ...                                       # any other RouterConfig field by name
 
 A backend mapping may carry ``tags: [spot]`` (spot instances, see ``features.limits``).
@@ -116,6 +117,7 @@ class RouterConfig:
     drain_grace_s: float = 2.0
     drain_timeout_s: float = 30.0
     features: FeatureConfig | None = None  # production features (kvroute.features); None: all off
+    workers: int = 1  # `kvroute serve` processes on the port (kvroute.server.workers); 1: this process
 
     def validate(self) -> RouterConfig:
         """Return self; raise :class:`UserError` for a value out of range."""
@@ -143,6 +145,7 @@ class RouterConfig:
             ("retry_after_s", self.retry_after_s >= 0),
             ("drain_grace_s", 0 <= self.drain_grace_s < float("inf")),
             ("drain_timeout_s", 0 <= self.drain_timeout_s < float("inf")),
+            ("workers", 1 <= self.workers <= 256),
         ]
         for name, ok in checks:
             if not ok:

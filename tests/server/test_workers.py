@@ -183,8 +183,13 @@ async def test_a_killed_worker_is_restarted_and_its_load_zeroed(
             os.kill(int(victim.pid), signal.SIGKILL)
             with pytest.raises(aiohttp.ClientError):
                 await asyncio.wait_for(r.content.read(), 10)
-        other = await scrape_worker(router.url, avoid=held_by)
-        assert other.load(backend) == (0.0, 0.0, 0.0)  # the dead worker's row was zeroed
+        deadline = time.monotonic() + 10
+        while True:  # the supervisor zeroes the dead worker's row once it has noticed the exit
+            other = await scrape_worker(router.url, avoid=held_by)
+            if other.load(backend) == (0.0, 0.0, 0.0) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        assert other.load(backend) == (0.0, 0.0, 0.0)
         deadline = time.monotonic() + 60
         while True:  # restarted: the same worker index answers from a new process
             m = await scrape(router.url)
@@ -198,3 +203,41 @@ async def test_a_killed_worker_is_restarted_and_its_load_zeroed(
         assert f"worker {held_by} (pid {victim.pid}) exited with status -9; restarting" in err
     finally:
         await router.close()
+
+
+def test_a_decision_in_one_worker_sees_the_load_another_reserved(tokenizer: Tokenizer) -> None:
+    """Two routing cores on one shared table (rows 1 and 2, as two workers have): requests leased by
+    the first weigh on the second's views and send its next request elsewhere; zeroing the first's
+    row (it died) removes them."""
+    import multiprocessing as mp
+
+    import orjson
+
+    from kvroute.policies.registry import make_policy
+    from kvroute.server.backends import Lease
+    from kvroute.server.config import BackendSpec, RouterConfig
+    from kvroute.server.loadtable import LoadTable
+    from kvroute.server.router import RouterCore
+    from kvroute.server.tokenize import RequestTokenizer
+    from kvroute.server.validate import parse_request
+
+    lock = mp.get_context("spawn").Lock()
+    parent, spec = LoadTable.create_shared(3, lock, slots=8)
+    tables = [LoadTable.attach(spec, k, lock) for k in (1, 2)]
+    try:
+        cfg = RouterConfig(backends=(BackendSpec("http://a:1"), BackendSpec("http://b:1")))
+        a, b = (RouterCore(cfg, RequestTokenizer(tokenizer), make_policy("lmetric"), table=t) for t in tables)
+        req = parse_request(orjson.dumps({"model": "m", "prompt": "same prompt " * 40}), chat=False)
+        first = a.plan(req).order[0]
+        leases = [Lease(a.backends[first], 500) for _ in range(8)]
+        view = b.backends[first].view(0.0, 1.0)
+        assert (view.waiting, view.queued_prefill_tokens) == (8, 4000)
+        assert b.backends[first].waiting == 0  # b's own row is untouched
+        assert b.plan(req).order[0] != first
+        parent.clear_row(1)
+        assert b.backends[first].view(0.0, 1.0).waiting == 0
+        del leases
+    finally:
+        for t in tables:
+            t.close()
+        parent.close(unlink=True)

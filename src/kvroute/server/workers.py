@@ -33,8 +33,8 @@ Each worker subscribes to every engine's ZMQ PUB itself and keeps its own KV vie
 does. Once per machine (one subscriber forwarding to the workers) would save only the decoding: each
 worker's KV view lives in its own memory, so each would still apply every batch, and applying is most
 of the cost. Measured by ``make bench ONLY=workers`` (``event_batch_us``; one request's new blocks,
-about 16 blocks of 2048-token chatbot prompts, 2-core machine): decode ≈ 18 µs, apply ≈ 35 µs. At
-1000 requests/s that is ≈ 53 ms of CPU per second per worker (5 % of a core), ≈ 18 ms of which a
+about 16 blocks of 2048-token chatbot prompts, 2-core machine): decode ≈ 18 µs, apply ≈ 37 µs. At
+1000 requests/s that is ≈ 55 ms of CPU per second per worker (5 % of a core), ≈ 18 ms of which a
 forwarder could save, while the forwarding itself (receive once, send N times, receive in each worker)
 costs about what decoding does, and adds a hop. So: once per worker, N × the decode CPU, no extra hop.
 

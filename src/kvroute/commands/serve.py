@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 from typing import Any
 
@@ -163,6 +164,13 @@ def add_peer_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_router_arguments(p)
+    p.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="router processes sharing the port (SO_REUSEPORT) and one in-flight load table "
+        "(default 1: this process); see kvroute.server.workers",
+    )
 
 
 def _pairs(items: list[str], flag: str) -> dict[str, str]:
@@ -213,7 +221,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         )
         for b in backends
     ]
-    cfg = dataclasses.replace(base, backends=tuple(backends), **overrides(args)).validate()
+    more = {"workers": args.workers} if getattr(args, "workers", None) is not None else {}
+    cfg = dataclasses.replace(base, backends=tuple(backends), **overrides(args), **more).validate()
     cfg = with_feature_flags(cfg, args)
     from kvroute.server.discovery import make_source
 
@@ -239,6 +248,10 @@ def run(args: argparse.Namespace) -> int:
     from kvroute.server.run import Reloader, serve_forever
 
     cfg = config_from_args(args)
-    # SIGHUP: the same merge as here (the file, then the flags over it)
-    reloader = Reloader(args.config, lambda: config_from_args(args))
+    # SIGHUP: the same merge as here (the file, then the flags over it); picklable for the workers
+    reloader = Reloader(args.config, functools.partial(config_from_args, args))
+    if cfg.workers > 1:
+        from kvroute.server.workers import serve_workers
+
+        return serve_workers(cfg, cfg.workers, reloader, backends_from_text)
     return serve_forever(cfg, reloader, backends_from_text)

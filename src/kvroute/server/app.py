@@ -33,6 +33,7 @@ from kvroute.server.exporter import RouterCollector, render_metrics
 from kvroute.server.feature_metrics import FeatureCollector
 from kvroute.server.fleet import STATIC, Changes, Fleet
 from kvroute.server.h1 import H1Transport
+from kvroute.server.loadtable import LoadTable
 from kvroute.server.monitor import Monitor
 from kvroute.server.peers import PeerCollector, PeerLink, PeerSettings
 from kvroute.server.proxy import Proxy, error_response
@@ -53,7 +54,11 @@ _ABORT_WAIT_S = 5.0
 class RouterServer:
     """One router: config → app, loops, subscribers. ``transport``/``tokenizer`` may be injected
     (tests); by default :class:`~kvroute.server.h1.H1Transport` and the configured tokenizer are used.
-    ``resolve`` (DNS lookups) and ``parse_backends`` (a watched file's reader) go to discovery."""
+    ``resolve`` (DNS lookups) and ``parse_backends`` (a watched file's reader) go to discovery.
+    ``table``: the in-flight load table (a worker's view of the machine's shared one, see
+    :mod:`kvroute.server.workers`); by default one of this process alone. ``peer_replica``,
+    ``peer_worker``, ``peer_receive``: a ``--workers`` worker publishes its reservations under the
+    machine's replica id and leaves receiving the other replicas' to its supervisor."""
 
     def __init__(
         self,
@@ -64,6 +69,11 @@ class RouterServer:
         background: bool = True,
         resolve: Resolver | None = None,
         parse_backends: ParseBackends | None = None,
+        table: LoadTable | None = None,
+        reuse_port: bool = False,
+        peer_replica: str | None = None,
+        peer_worker: int = 0,
+        peer_receive: bool = True,
     ) -> None:
         config.validate()
         self.config = config
@@ -72,7 +82,14 @@ class RouterServer:
         )
         tok = tokenizer or load_tokenizer(config.tokenizer)
         self.core = RouterCore(
-            config, RequestTokenizer(tok, config.tokenizer_cache_entries), make_policy(config.policy), clock
+            config,
+            RequestTokenizer(tok, config.tokenizer_cache_entries),
+            make_policy(config.policy),
+            clock,
+            table,
+        )
+        self.reuse_port = (
+            reuse_port  # SO_REUSEPORT: the workers of `kvroute serve --workers N` share the port
         )
         self.proxy = Proxy(self.core, self.transport)
         self.monitor = Monitor(self.core, self.transport)
@@ -89,7 +106,7 @@ class RouterServer:
         self._features: FeatureCollector | None = None
         self._register_features()
         self._preloading: asyncio.Task[None] | None = None
-        self.peers = self._make_peers()
+        self.peers = self._make_peers(peer_replica, peer_worker, peer_receive)
         self.url = ""
 
     def _register_features(self) -> None:
@@ -103,13 +120,16 @@ class RouterServer:
             self._features = FeatureCollector(core.guard, labels, core.clock)
             self.registry.register(self._features)
 
-    def _make_peers(self) -> PeerLink | None:
-        """Router replicas (``peer_bind``/``peers``): this one's publisher and receiver, if any."""
+    def _make_peers(self, replica: str | None, worker: int, receive: bool) -> PeerLink | None:
+        """Router replicas (``peer_bind``/``peers``): this one's publisher and, with ``receive``, its
+        receiver (a ``--workers`` worker publishes under the machine's ``replica`` id as ``worker``;
+        its supervisor receives)."""
         cfg = self.config
         if cfg.peer_bind is None and not cfg.peers:
             return None
-        settings = PeerSettings(cfg.peer_bind, cfg.peers, cfg.peer_expiry_s, cfg.peer_refresh_s)
-        link = PeerLink(settings, self.core.table, self.core.clock)
+        bind = cfg.peer_bind if receive else None
+        settings = PeerSettings(bind, cfg.peers, cfg.peer_expiry_s, cfg.peer_refresh_s)
+        link = PeerLink(settings, self.core.table, self.core.clock, replica, worker)
         self.registry.register(
             PeerCollector(link, lambda: [(b.url, b.slot) for b in self.core.live_backends()])
         )
@@ -131,7 +151,9 @@ class RouterServer:
         """Bind and start; returns the base URL (``http://host:port``)."""
         runner = web.AppRunner(self.make_app(), access_log=None, handler_cancellation=True)
         await runner.setup()
-        site = web.TCPSite(runner, self.config.host, self.config.port, backlog=1024)
+        site = web.TCPSite(
+            runner, self.config.host, self.config.port, backlog=1024, reuse_port=self.reuse_port or None
+        )
         await site.start()
         self._runner = runner
         self._site = site

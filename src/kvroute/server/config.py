@@ -29,6 +29,7 @@ The command-line flags and the YAML file that build it are read by :mod:`kvroute
     peers: [dns://kvroute-peers:5600]         # ... and announce ours to these (tcp:// or dns://)
     peer_expiry_s: 3.0                        # a silent peer's reservations vanish after this
     peer_refresh_s: 1.0                       # each replica re-announces its whole load this often
+    workers: 1                                # `kvroute serve` processes sharing the port (SO_REUSEPORT)
     ...                                       # any other RouterConfig field by name
 
 A backend mapping may carry ``tags: [spot]`` (spot instances, see ``features.limits``).
@@ -144,6 +145,7 @@ class RouterConfig:
     peers: tuple[str, ...] = ()
     peer_expiry_s: float = 3.0
     peer_refresh_s: float = 1.0
+    workers: int = 1  # `kvroute serve` processes on the port (kvroute.server.workers); 1: this process
 
     def validate(self) -> RouterConfig:
         """Return self; raise :class:`UserError` for a value out of range."""
@@ -185,6 +187,7 @@ class RouterConfig:
             ("drain_grace_s", 0 <= self.drain_grace_s < float("inf")),
             ("drain_timeout_s", 0 <= self.drain_timeout_s < float("inf")),
             ("discover_interval_s", 0 < self.discover_interval_s < float("inf")),
+            ("workers", 1 <= self.workers <= 256),
         ]
         for name, ok in checks:
             if not ok:

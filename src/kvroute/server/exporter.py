@@ -8,6 +8,11 @@ Metric names (all prefixed ``kvroute_``): ``requests_total{outcome}``, ``retries
 ``tokenizer_cache_hits_total``, ``tokenizer_cache_misses_total``, ``routing_seconds_total``,
 ``routed_total``. Each router owns its own ``CollectorRegistry``. The per-backend series cover active and draining
 backends (a draining one's in-flight gauges show its drain); a removed backend's series disappear.
+
+The ``backend_waiting``/``running``/``queued_prefill_tokens`` gauges are this machine's: summed over
+the rows of the in-flight table, i.e. over every worker of ``kvroute serve --workers N`` (not the load
+other replicas announced). Every other metric is the answering process's own (one worker's, see
+:mod:`kvroute.server.workers`).
 """
 
 from __future__ import annotations
@@ -70,10 +75,11 @@ class RouterCollector(Collector):
             states.add_metric([state], sum(1 for b in core.backends if b.state == state))
         yield states
         for b in core.live_backends():
+            waiting, running, prefill, _ = b.table.totals(b.slot, remote=False)  # every worker's
             fams["healthy"].add_metric([b.url], 1.0 if b.healthy else 0.0)
-            fams["waiting"].add_metric([b.url], b.waiting)
-            fams["running"].add_metric([b.url], b.running)
-            fams["queued_prefill"].add_metric([b.url], b.queued_prefill)
+            fams["waiting"].add_metric([b.url], waiting)
+            fams["running"].add_metric([b.url], running)
+            fams["queued_prefill"].add_metric([b.url], prefill)
             routed.add_metric([b.url], b.requests_total)
             current = core.kv.mode(b.index, now)
             for m in ("approx", "exact", "recovering"):

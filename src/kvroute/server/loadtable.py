@@ -210,6 +210,14 @@ class LoadTable:
         i = self._base + slot * 4
         self._q[i : i + 4] = memoryview(bytes(32)).cast("q")
 
+    def clear_row(self, writer: int) -> None:
+        """Zero every slot of row ``writer`` (0 ≤ writer < writers): the supervisor does this for a
+        worker that died, since its requests died with it. Not while that writer still writes."""
+        if not 0 <= writer < self.writers:
+            raise ValueError(f"writer {writer} outside 0..{self.writers - 1}")
+        stride = self.slots * 4
+        self._q[writer * stride : (writer + 1) * stride] = memoryview(bytes(stride * 8)).cast("q")
+
 
 def _buf(shm: shared_memory.SharedMemory) -> memoryview:
     buf = shm.buf

@@ -1,0 +1,243 @@
+"""``kvroute serve --workers 2``: a real supervisor and its worker processes on one free loopback port,
+in front of real emulated engines (in this process, on free ports). Every process is stopped by the
+test (``RouterProc.close`` kills the supervisor; its workers notice it is gone and drain)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+
+from kvroute.server.workers import WORKER_HEADER
+from kvroute.tokenizer import Tokenizer
+
+from .test_e2e import Cluster
+from .test_shutdown import SLOW, RouterProc, stream_body
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[Cluster]:
+    c = Cluster()
+    yield c
+    await c.close()
+
+
+class Scrape:
+    """One /metrics answer: which worker (and pid) answered, and its samples by ``name{labels}``."""
+
+    def __init__(self, text: str) -> None:
+        self.samples: dict[str, float] = {}
+        self.worker = self.pid = ""
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                self.samples[key] = float(value)
+                if key.startswith("kvroute_worker_info{"):
+                    labels = dict(p.split("=") for p in key[len("kvroute_worker_info{") : -1].split(","))
+                    self.worker, self.pid = labels["worker"].strip('"'), labels["pid"].strip('"')
+
+    def load(self, backend: str) -> tuple[float, float, float]:
+        """The machine-wide (waiting, running, queued prefill) on ``backend``."""
+        return tuple(  # type: ignore[return-value]
+            self.samples[f'kvroute_backend_{m}{{backend="{backend}"}}']
+            for m in ("waiting", "running", "queued_prefill_tokens")
+        )
+
+
+async def scrape(url: str) -> Scrape:
+    """/metrics on a new connection (so the kernel picks a worker afresh)."""
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
+        s.get(url + "/metrics") as r,
+    ):
+        return Scrape(await r.text())
+
+
+async def scrape_worker(url: str, want: str | None = None, avoid: str | None = None) -> Scrape:
+    """A scrape answered by worker ``want`` (or by any worker but ``avoid``)."""
+    for _ in range(400):
+        m = await scrape(url)
+        if (want is None or m.worker == want) and (avoid is None or m.worker != avoid):
+            return m
+    raise AssertionError(f"no scrape from worker {want or 'other than ' + str(avoid)}")
+
+
+class WorkersProc(RouterProc):
+    """The supervisor; :meth:`close` (after a failed test) stops it with SIGTERM so that it stops
+    its workers, and kills it only if that does not end it in time."""
+
+    async def close(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(signal.SIGTERM)  # the second one ends the drain at once
+            try:
+                await asyncio.wait_for(self.proc.communicate(), 20)
+            except TimeoutError:
+                await super().close()
+
+
+async def start_workers(engines: Cluster, *flags: str) -> RouterProc:
+    backends = [b.url for b in engines.specs]
+    more = [x for b in backends[1:] for x in ("--backend", b)]
+    events = [x for b in engines.specs if b.kv_events for x in ("--kv-events", f"{b.url}={b.kv_events}")]
+    router = WorkersProc(backends[0], *more, *events, "--workers", "2", *flags)
+    await router.start()
+    assert router.proc is not None and router.proc.stderr is not None
+    line = await asyncio.wait_for(router.proc.stderr.readline(), 60)  # printed once all workers listen
+    assert b"workers=2" in line, line
+    return router
+
+
+async def test_traffic_from_both_workers_and_the_shared_table_returns_to_zero(
+    engines: Cluster, tokenizer: Tokenizer
+) -> None:
+    """Concurrent requests (each on its own connection) all succeed, both workers served some, each
+    worker's own ok counter adds up to all of them, and the machine-wide gauges (the shared table,
+    read from either worker) are back to zero."""
+    await engines.add_engine(tokenizer, events=True)
+    await engines.add_engine(tokenizer, events=True)
+    router = await start_workers(engines)
+    n = 48
+    try:
+
+        async def one(i: int) -> tuple[str, bytes]:
+            body = {"model": "emu", "prompt": f"request {i} " * (5 + i % 7), "max_tokens": 4}
+            body["stream"] = bool(i % 2)
+            async with (
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
+                s.post(router.url + "/v1/completions", json=body) as r,
+            ):
+                assert r.status == 200
+                return r.headers[WORKER_HEADER], await r.read()
+
+        results = await asyncio.gather(*(one(i) for i in range(n)))
+        assert {w for w, _ in results} == {"1", "2"}
+        for i, (_, raw) in enumerate(results):
+            assert raw.rstrip().endswith(b"data: [DONE]") if i % 2 else b'"choices"' in raw
+        ok = 0
+        for worker in ("1", "2"):
+            m = await scrape_worker(router.url, want=worker)
+            ok += int(m.samples['kvroute_requests_total{outcome="ok"}'])
+            batches = 0.0
+            for b in engines.specs:
+                assert m.load(b.url) == (0.0, 0.0, 0.0)
+                batches += m.samples[f'kvroute_kv_event_batches_total{{backend="{b.url}"}}']
+            assert batches >= 1  # each worker subscribes to the engines' KV events itself
+        assert ok == n
+        router.signal(signal.SIGTERM)
+        status, err = await router.exit_status()
+        assert status == 0 and "Traceback" not in err, err
+    finally:
+        await router.close()
+
+
+async def test_a_stream_on_one_worker_is_seen_by_the_other_and_sigterm_drains_it(
+    engines: Cluster, tokenizer: Tokenizer
+) -> None:
+    """A stream held through worker A counts in the load worker B's policy reads (B's machine-wide
+    gauge); SIGTERM to the supervisor: the stream completes normally, every worker exits, exit 0."""
+    await engines.add_engine(tokenizer, events=False, time_scale=SLOW)
+    backend = engines.specs[0].url
+    router = await start_workers(engines, "--drain-grace", "0.2", "--drain-timeout", "30")
+    try:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(router.url + "/v1/completions", json=stream_body(60)) as r,
+        ):
+            assert r.status == 200
+            held_by = r.headers[WORKER_HEADER]
+            assert (await r.content.readline()).startswith(b"data: ")
+            other = await scrape_worker(router.url, avoid=held_by)
+            assert other.load(backend)[:2] == (0.0, 1.0)  # running 1: worker A's lease, seen by B
+            assert other.samples[f'kvroute_backend_routed_total{{backend="{backend}"}}'] == 0.0
+            router.signal(signal.SIGTERM)
+            rest = await asyncio.wait_for(r.content.read(), 30)
+        assert rest.rstrip().endswith(b"data: [DONE]") and b'"error"' not in rest
+        status, err = await router.exit_status()
+        assert status == 0, err
+        assert err.count("shutting down gracefully") == 2 and "Traceback" not in err
+    finally:
+        await router.close()
+
+
+async def test_a_killed_worker_is_restarted_and_its_load_zeroed(
+    engines: Cluster, tokenizer: Tokenizer
+) -> None:
+    await engines.add_engine(tokenizer, events=False, time_scale=SLOW)
+    backend = engines.specs[0].url
+    router = await start_workers(engines, "--drain-grace", "0", "--drain-timeout", "1")
+    try:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(router.url + "/v1/completions", json=stream_body(2000)) as r,
+        ):
+            held_by = r.headers[WORKER_HEADER]
+            assert (await r.content.readline()).startswith(b"data: ")
+            victim = await scrape_worker(router.url, want=held_by)
+            assert victim.load(backend)[1] == 1.0
+            os.kill(int(victim.pid), signal.SIGKILL)
+            with pytest.raises(aiohttp.ClientError):
+                await asyncio.wait_for(r.content.read(), 10)
+        deadline = time.monotonic() + 10
+        while True:  # the supervisor zeroes the dead worker's row once it has noticed the exit
+            other = await scrape_worker(router.url, avoid=held_by)
+            if other.load(backend) == (0.0, 0.0, 0.0) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        assert other.load(backend) == (0.0, 0.0, 0.0)
+        deadline = time.monotonic() + 60
+        while True:  # restarted: the same worker index answers from a new process
+            m = await scrape(router.url)
+            if (m.worker == held_by and m.pid != victim.pid) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        assert m.worker == held_by and m.pid != victim.pid and m.load(backend) == (0.0, 0.0, 0.0)
+        router.signal(signal.SIGTERM)
+        status, err = await router.exit_status()
+        assert status == 0, err
+        assert f"worker {held_by} (pid {victim.pid}) exited with status -9; restarting" in err
+    finally:
+        await router.close()
+
+
+def test_a_decision_in_one_worker_sees_the_load_another_reserved(tokenizer: Tokenizer) -> None:
+    """Two routing cores on one shared table (rows 1 and 2, as two workers have): requests leased by
+    the first weigh on the second's views and send its next request elsewhere; zeroing the first's
+    row (it died) removes them."""
+    import multiprocessing as mp
+
+    import orjson
+
+    from kvroute.policies.registry import make_policy
+    from kvroute.server.backends import Lease
+    from kvroute.server.config import BackendSpec, RouterConfig
+    from kvroute.server.loadtable import LoadTable
+    from kvroute.server.router import RouterCore
+    from kvroute.server.tokenize import RequestTokenizer
+    from kvroute.server.validate import parse_request
+
+    lock = mp.get_context("spawn").Lock()
+    parent, spec = LoadTable.create_shared(3, lock, slots=8)
+    tables = [LoadTable.attach(spec, k, lock) for k in (1, 2)]
+    try:
+        cfg = RouterConfig(backends=(BackendSpec("http://a:1"), BackendSpec("http://b:1")))
+        a, b = (RouterCore(cfg, RequestTokenizer(tokenizer), make_policy("lmetric"), table=t) for t in tables)
+        req = parse_request(orjson.dumps({"model": "m", "prompt": "same prompt " * 40}), chat=False)
+        first = a.plan(req).order[0]
+        leases = [Lease(a.backends[first], 500) for _ in range(8)]
+        view = b.backends[first].view(0.0, 1.0)
+        assert (view.waiting, view.queued_prefill_tokens) == (8, 4000)
+        assert b.backends[first].waiting == 0  # b's own row is untouched
+        assert b.plan(req).order[0] != first
+        parent.clear_row(1)
+        assert b.backends[first].view(0.0, 1.0).waiting == 0
+        del leases
+    finally:
+        for t in tables:
+            t.close()
+        parent.close(unlink=True)

@@ -119,3 +119,55 @@ async def test_replicas_share_reservations_and_a_killed_one_expires(
         assert ok == 4
     finally:
         await asyncio.gather(a.close(), b.close())
+
+
+async def test_a_replica_with_workers_receives_once_for_its_machine(
+    engines: Cluster, tokenizer: Tokenizer
+) -> None:
+    """Replica B runs ``--workers 2``: its supervisor binds ``--peer-bind`` and writes the other
+    replicas' load into the machine's table, so every worker's view (and /metrics) shows replica A's
+    streams; B's workers publish under one replica id, so A sees B's streams too."""
+    from .test_workers import WorkersProc, scrape_worker
+
+    for _ in range(2):
+        await engines.add_engine(tokenizer, events=False, time_scale=SLOW)
+    ports = free_port(), free_port()
+    binds = [f"tcp://127.0.0.1:{p}" for p in ports]
+    peers = ",".join(binds)
+    backends = [f for spec in engines.specs[1:] for f in ("--backend", spec.url)]
+    common = ["--peers", peers, "--peer-expiry", str(EXPIRY_S), "--peer-refresh", str(REFRESH_S)]
+    a = RouterProc(engines.specs[0].url, *backends, "--peer-bind", binds[0], *common)
+    b = WorkersProc(engines.specs[0].url, *backends, "--peer-bind", binds[1], "--workers", "2", *common)
+    try:
+        await asyncio.gather(a.start(), b.start())
+        assert b.proc is not None and b.proc.stderr is not None
+        line = await asyncio.wait_for(b.proc.stderr.readline(), 60)
+        assert b"workers=2" in line, line
+        a_streams = [asyncio.create_task(stream(a.url, 40)) for _ in range(3)]
+
+        async def every_worker_sees_a() -> bool:
+            for w in ("1", "2"):
+                m = await scrape_worker(b.url, want=w)
+                remote = sum(
+                    v for k, v in m.samples.items() if k.startswith("kvroute_backend_remote_running")
+                )
+                if remote < 3:
+                    return False
+            return True
+
+        await until(every_worker_sees_a, 15)
+        b_streams = [asyncio.create_task(stream(b.url, 40)) for _ in range(2)]
+        await until(lambda: _at_least(a.url, "kvroute_backend_remote_running", 2), 15)
+        for raw in await asyncio.gather(*a_streams, *b_streams):
+            assert raw.rstrip().endswith(b"data: [DONE]")
+        await until(lambda: _at_most(a.url, "kvroute_backend_remote_running", 0), 15)
+    finally:
+        await asyncio.gather(a.close(), b.close())
+
+
+async def _at_least(url: str, name: str, n: float) -> bool:
+    return await metric_sum(url, name) >= n
+
+
+async def _at_most(url: str, name: str, n: float) -> bool:
+    return await metric_sum(url, name) <= n

@@ -241,3 +241,55 @@ def test_a_decision_in_one_worker_sees_the_load_another_reserved(tokenizer: Toke
         for t in tables:
             t.close()
         parent.close(unlink=True)
+
+
+async def admin_get(url: str, token: str) -> tuple[str, list[str]]:
+    """GET /admin/backends on a new connection: which worker answered, and the URLs it lists."""
+    headers = {"Authorization": f"Bearer {token}"}
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
+        s.get(url + "/admin/backends", headers=headers) as r,
+    ):
+        assert r.status == 200
+        data = await r.json()
+        return r.headers[WORKER_HEADER], [b["url"] for b in data["data"]]
+
+
+async def test_an_admin_change_on_one_worker_reaches_the_other(
+    engines: Cluster, tokenizer: Tokenizer
+) -> None:
+    """POST and DELETE land on one worker (one connection each); the other worker applies them from
+    the machine's admin journal: every worker lists the added backend, then none does."""
+    await engines.add_engine(tokenizer, events=False)
+    await engines.add_engine(tokenizer, events=False)
+    first, second = (b.url for b in engines.specs)
+    token = "s3cret-token"
+    router = await start_workers(engines, "--admin-token", token)  # starts with both engines...
+    try:
+        headers = {"Authorization": f"Bearer {token}"}
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+            # ... so take the second one away first, on whichever worker answers, then add it back
+            async with s.get(router.url + "/admin/backends", headers=headers) as r:
+                ident = {b["url"]: b["id"] for b in (await r.json())["data"]}
+            async with s.delete(f"{router.url}/admin/backends/{ident[second]}", headers=headers) as r:
+                assert r.status == 202
+                by = r.headers[WORKER_HEADER]
+            deadline = time.monotonic() + 10
+            seen: set[str] = set()
+            while seen != {"1", "2"}:  # both workers stop listing it
+                assert time.monotonic() < deadline, f"only workers {seen} dropped {second} (changed on {by})"
+                worker, urls = await admin_get(router.url, token)
+                if second not in urls:
+                    seen.add(worker)
+            async with s.post(router.url + "/admin/backends", headers=headers, json={"url": second}) as r:
+                assert r.status == 201, await r.text()
+                by = r.headers[WORKER_HEADER]
+            seen.clear()
+            deadline = time.monotonic() + 10
+            while seen != {"1", "2"}:  # both workers list it again
+                assert time.monotonic() < deadline, f"only workers {seen} list {second} (added on {by})"
+                worker, urls = await admin_get(router.url, token)
+                if second in urls and first in urls:
+                    seen.add(worker)
+    finally:
+        await router.close()

@@ -38,18 +38,22 @@ from aiohttp import web
 from kvroute.server.backends import REMOVED, BackendState
 from kvroute.server.config import BackendSpec
 from kvroute.server.fleet import ADMIN, Fleet
+from kvroute.server.journal import AdminJournal
 from kvroute.server.loadtable import url_digest
 from kvroute.server.proxy import error_response
 from kvroute.server.validate import ApiError
 
-__all__ = ["add_admin_routes", "backend_json", "spec_from_body"]
+__all__ = ["add_admin_routes", "apply_journal_line", "backend_json", "spec_from_body"]
 
 _UNAUTHORIZED = ApiError(401, "unauthorized", etype="unauthorized")
 
 
-def add_admin_routes(app: web.Application, fleet: Fleet, token: str) -> None:
-    """Register the admin routes on ``app`` (module docstring), guarded by ``token``."""
-    api = _Admin(fleet, token)
+def add_admin_routes(
+    app: web.Application, fleet: Fleet, token: str, journal: AdminJournal | None = None
+) -> None:
+    """Register the admin routes on ``app`` (module docstring), guarded by ``token``; with ``journal``
+    (``--workers N``) every change is also recorded for the sibling workers."""
+    api = _Admin(fleet, token, journal)
     app.router.add_get("/admin/backends", api.guard(api.list))
     app.router.add_post("/admin/backends", api.guard(api.add))
     app.router.add_get("/admin/backends/{id}", api.guard(api.get))
@@ -123,10 +127,75 @@ def _json(data: object, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
 
+# ---- the changes, by URL: what a request does here and what a sibling worker replays --------------
+
+
+def add_backend(fleet: Fleet, spec: BackendSpec) -> BackendState:
+    """Add ``spec`` as an admin backend (409 when its URL is already listed)."""
+    if fleet.core.find(spec.url) is not None:
+        raise ApiError(409, f"backend {spec.url} is already listed", "url", etype="conflict")
+    fleet.sources[ADMIN] = (*fleet.sources[ADMIN], spec)
+    fleet.reconcile(fleet.desired())
+    state = fleet.core.find(spec.url)
+    assert state is not None
+    return state
+
+
+def delete_backend(fleet: Fleet, b: BackendState) -> None:
+    """Take ``b`` off every source, drain it and remove it once idle."""
+    if b.state != REMOVED:
+        fleet.forget(b.url)
+        fleet.drain(b.index, remove=True)
+
+
+def drain_backend(fleet: Fleet, b: BackendState) -> None:
+    if b.state == REMOVED:
+        raise ApiError(409, f"backend {b.url} is removed", etype="conflict")
+    fleet.drain(b.index, remove=False)
+
+
+def undrain_backend(fleet: Fleet, b: BackendState) -> None:
+    if b.state == REMOVED or fleet.removing(b.index):
+        raise ApiError(409, f"backend {b.url} is being removed", etype="conflict")
+    fleet.undrain(b.index)
+
+
+def apply_journal_line(fleet: Fleet, line: dict[str, Any]) -> None:
+    """Replay one change a sibling worker made (:mod:`kvroute.server.journal`); a change that no
+    longer applies here (already listed, unknown URL) is skipped."""
+    op, url = line.get("op"), line.get("url")
+    if op == "add":
+        spec = spec_from_body(orjson.dumps(line.get("spec")))
+        if fleet.core.find(spec.url) is None:
+            add_backend(fleet, spec)
+        return
+    b = fleet.core.find(url) if isinstance(url, str) else None
+    if b is None:
+        return
+    if op == "delete":
+        delete_backend(fleet, b)
+    elif op == "drain" and b.state != REMOVED:
+        drain_backend(fleet, b)
+    elif op == "undrain" and b.state != REMOVED and not fleet.removing(b.index):
+        undrain_backend(fleet, b)
+    else:
+        raise ValueError(f"unknown admin change {op!r}")
+
+
 class _Admin:
-    def __init__(self, fleet: Fleet, token: str) -> None:
+    def __init__(self, fleet: Fleet, token: str, journal: AdminJournal | None) -> None:
         self.fleet = fleet
+        self.journal = journal
         self._expected = f"Bearer {token}".encode()
+
+    def _record(self, op: str, url: str, spec: BackendSpec | None = None) -> None:
+        if self.journal is not None:
+            fields: dict[str, Any] | None = None
+            if spec is not None:
+                fields = {"url": spec.url, "kv_events": spec.kv_events, "kv_replay": spec.kv_replay}
+                if spec.tags:
+                    fields["tags"] = list(spec.tags)
+            self.journal.append(op, url, fields)
 
     def guard(self, handler: Any) -> Any:
         async def guarded(request: web.Request) -> web.StreamResponse:
@@ -161,32 +230,25 @@ class _Admin:
 
     async def add(self, request: web.Request) -> web.Response:
         spec = spec_from_body(await request.read())
-        fleet = self.fleet
-        if fleet.core.find(spec.url) is not None:
-            raise ApiError(409, f"backend {spec.url} is already listed", "url", etype="conflict")
-        fleet.sources[ADMIN] = (*fleet.sources[ADMIN], spec)
-        fleet.reconcile(fleet.desired())
-        state = fleet.core.find(spec.url)
-        assert state is not None
-        return _json(backend_json(fleet, state), 201)
+        state = add_backend(self.fleet, spec)
+        self._record("add", spec.url, spec)
+        return _json(backend_json(self.fleet, state), 201)
 
     async def delete(self, request: web.Request) -> web.Response:
         b = self._find(request)
         if b.state != REMOVED:
-            self.fleet.forget(b.url)
-            self.fleet.drain(b.index, remove=True)
+            delete_backend(self.fleet, b)
+            self._record("delete", b.url)
         return _json(backend_json(self.fleet, b), 202)
 
     async def drain(self, request: web.Request) -> web.Response:
         b = self._find(request)
-        if b.state == REMOVED:
-            raise ApiError(409, f"backend {b.url} is removed", etype="conflict")
-        self.fleet.drain(b.index, remove=False)
+        drain_backend(self.fleet, b)
+        self._record("drain", b.url)
         return _json(backend_json(self.fleet, b), 202)
 
     async def undrain(self, request: web.Request) -> web.Response:
         b = self._find(request)
-        if b.state == REMOVED or self.fleet.removing(b.index):
-            raise ApiError(409, f"backend {b.url} is being removed", etype="conflict")
-        self.fleet.undrain(b.index)
+        undrain_backend(self.fleet, b)
+        self._record("undrain", b.url)
         return _json(backend_json(self.fleet, b), 202)

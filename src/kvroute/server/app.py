@@ -18,13 +18,14 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from kvroute.policies.registry import make_policy
-from kvroute.server.admin import add_admin_routes
+from kvroute.server.admin import add_admin_routes, apply_journal_line
 from kvroute.server.backends import ACTIVE
 from kvroute.server.config import BackendSpec, RouterConfig
 from kvroute.server.discovery import Discovery, ParseBackends, Resolver
@@ -33,6 +34,7 @@ from kvroute.server.exporter import RouterCollector, render_metrics
 from kvroute.server.feature_metrics import FeatureCollector
 from kvroute.server.fleet import STATIC, Changes, Fleet
 from kvroute.server.h1 import H1Transport
+from kvroute.server.journal import AdminJournal
 from kvroute.server.loadtable import LoadTable
 from kvroute.server.monitor import Monitor
 from kvroute.server.peers import PeerCollector, PeerLink, PeerSettings
@@ -58,7 +60,8 @@ class RouterServer:
     ``table``: the in-flight load table (a worker's view of the machine's shared one, see
     :mod:`kvroute.server.workers`); by default one of this process alone. ``peer_replica``,
     ``peer_worker``, ``peer_receive``: a ``--workers`` worker publishes its reservations under the
-    machine's replica id and leaves receiving the other replicas' to its supervisor."""
+    machine's replica id and leaves receiving the other replicas' to its supervisor;
+    ``admin_journal``: the file through which the workers share admin changes."""
 
     def __init__(
         self,
@@ -74,6 +77,7 @@ class RouterServer:
         peer_replica: str | None = None,
         peer_worker: int = 0,
         peer_receive: bool = True,
+        admin_journal: str | None = None,
     ) -> None:
         config.validate()
         self.config = config
@@ -107,6 +111,8 @@ class RouterServer:
         self._register_features()
         self._preloading: asyncio.Task[None] | None = None
         self.peers = self._make_peers(peer_replica, peer_worker, peer_receive)
+        # --workers: admin changes made on a sibling worker (kvroute.server.journal), replayed here
+        self.journal = AdminJournal(admin_journal) if admin_journal is not None else None
         self.url = ""
 
     def _register_features(self) -> None:
@@ -144,7 +150,7 @@ class RouterServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         if self.config.admin_token is not None:
-            add_admin_routes(app, self.fleet, self.config.admin_token)
+            add_admin_routes(app, self.fleet, self.config.admin_token, self.journal)
         return app
 
     async def start(self) -> str:
@@ -165,6 +171,9 @@ class RouterServer:
 
     def _start_background(self) -> None:
         self.fleet.start()
+        if self.journal is not None:
+            self.journal.catch_up(self._replay)  # a (re)started worker holds its siblings' changes
+            self._tasks.append(asyncio.create_task(self.journal.follow(self._replay)))
         if self.peers is not None:
             self._tasks.extend(self.peers.start())
         self._tasks.append(asyncio.create_task(self.monitor.health_loop()))
@@ -172,6 +181,9 @@ class RouterServer:
         self._tasks.append(asyncio.create_task(self.fleet.reap_loop()))
         self._tasks.extend(asyncio.create_task(w) for w in self.discovery.watchers())
         self._ensure_preloading()
+
+    def _replay(self, line: dict[str, Any]) -> None:
+        apply_journal_line(self.fleet, line)
 
     def _ensure_preloading(self) -> None:
         """Run the cold-start preload loop while the features warm backends up (started once)."""

@@ -16,6 +16,12 @@ Layout
   addresses: a kept-alive connection stays with one worker). Its leases add to its own row and its
   policy reads the sums over all rows, so a decision sees the whole machine's in-flight load. Every
   response carries ``x-kvroute-worker: k``.
+- **Admin API**: a call reaches one worker, which also appends the change to the machine's admin
+  journal (a file in a folder the supervisor creates and removes, :mod:`kvroute.server.journal`); the
+  other workers follow it within ~0.1 s, and a restarted worker replays it whole.
+- **Router replicas** (``--peer-bind``/``--peers``, :mod:`kvroute.server.peers`): the supervisor binds
+  ``--peer-bind`` and writes the other replicas' load into the table's remote row, once for the
+  machine; every worker publishes its own reservations under the machine's replica id.
 - **Signals**: SIGTERM/SIGINT to the supervisor are forwarded to every worker, which drains as a single
   process does (:meth:`~kvroute.server.app.RouterServer.shutdown`); a second one is forwarded too (end
   the drain now). The supervisor exits 0 once every worker has exited. SIGHUP is forwarded to every
@@ -53,9 +59,11 @@ import contextlib
 import dataclasses
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -91,7 +99,8 @@ class WorkerSpec:
     shared table's spec, its index ``worker`` (its table row, 1..workers) and how many there are;
     ``replica``: the machine's router-replica id (the workers publish their reservations under it, the
     supervisor receives the other replicas'); ``reloader``: what SIGHUP reloads; ``parse_backends``:
-    the reader of discovery files."""
+    the reader of discovery files; ``admin_journal``: the file the workers share admin changes through
+    (:mod:`kvroute.server.journal`)."""
 
     config: RouterConfig
     table: SharedTableSpec
@@ -100,6 +109,7 @@ class WorkerSpec:
     replica: str = ""
     reloader: Reloader | None = None
     parse_backends: ParseBackends | None = None
+    admin_journal: str | None = None
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
@@ -149,6 +159,7 @@ class WorkerServer(RouterServer):
             peer_replica=spec.replica or None,
             peer_worker=spec.worker,
             peer_receive=False,  # the supervisor receives the other replicas' load for the machine
+            admin_journal=spec.admin_journal,
         )
         self.worker = str(spec.worker)
         self.registry.register(WorkerCollector(spec.worker, spec.workers))
@@ -249,6 +260,7 @@ class Supervisor:
         self._table: LoadTable | None = None
         self._spec: SharedTableSpec | None = None
         self._lock: Any = None
+        self._journal: str | None = None
 
     async def run(self) -> int:
         cfg = self.config
@@ -260,6 +272,8 @@ class Supervisor:
         self.config = dataclasses.replace(cfg, port=port)
         self._lock = self.ctx.Lock()
         self._table, self._spec = LoadTable.create_shared(self.workers + 1, self._lock)
+        journal_dir = tempfile.mkdtemp(prefix="kvroute-admin-")
+        self._journal = os.path.join(journal_dir, "admin-journal.jsonl")
         loop = asyncio.get_running_loop()
         receiving: asyncio.Task[None] | None = None
         try:
@@ -295,6 +309,7 @@ class Supervisor:
             if self.receiver is not None:
                 self.receiver.close()
             self._table.close(unlink=True)
+            shutil.rmtree(journal_dir, ignore_errors=True)
             sock.close()
 
     def table(self) -> LoadTable | None:
@@ -306,7 +321,14 @@ class Supervisor:
     def _spawn(self, k: int) -> None:
         assert self._spec is not None
         spec = WorkerSpec(
-            self.config, self._spec, k, self.workers, self.replica, self.reloader, self.parse_backends
+            self.config,
+            self._spec,
+            k,
+            self.workers,
+            self.replica,
+            self.reloader,
+            self.parse_backends,
+            self._journal,
         )
         recv, send = self.ctx.Pipe(duplex=False)
         proc = self.ctx.Process(

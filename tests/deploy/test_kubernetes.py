@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import re
+import shlex
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -348,3 +349,14 @@ async def test_alert_rules_use_metrics_the_router_exports(config: RouterConfig) 
     exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
     used = {n for e in exprs for n in re.findall(r"\bkvroute_\w+", e)}
     assert used and used <= exported, used - exported
+
+
+def test_readme_shows_the_deployed_command_line() -> None:
+    """The top-level README's two-replica `kvroute serve` line is the Deployment's command line."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8").replace("\\\n", " ")
+    lines = [
+        ln.strip() for ln in text.splitlines() if ln.strip().startswith("kvroute serve --config /etc/kvroute")
+    ]
+    assert len(lines) == 1
+    readme = build_parser().parse_args(shlex.split(lines[0])[1:])
+    assert vars(readme) == vars(parse_serve_args())

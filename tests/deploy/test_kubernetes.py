@@ -284,8 +284,11 @@ async def test_probe_paths_are_router_routes(config: RouterConfig) -> None:
         # with no healthy engine /health is 503 (not ready), while the liveness path stays 200: the
         # kubelet must not restart a router because the engines are down
         assert (await server.health(None)).status == 503  # type: ignore[arg-type]
-        assert probes["livenessProbe"]["path"] == probes["startupProbe"]["path"] == "/metrics"
-        assert (await server.metrics(None)).status == 200  # type: ignore[arg-type]
+        assert probes["livenessProbe"]["path"] == probes["startupProbe"]["path"] == "/livez"
+        assert (await server.livez(None)).status == 200  # type: ignore[arg-type]
+        server.draining = True  # a drain (SIGTERM) makes the pod unready, never "dead"
+        assert (await server.health(None)).status == 503  # type: ignore[arg-type]
+        assert (await server.livez(None)).status == 200  # type: ignore[arg-type]
     finally:
         await server.stop()
 

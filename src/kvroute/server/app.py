@@ -148,6 +148,7 @@ class RouterServer:
         app.router.add_post("/v1/chat/completions", self.proxy.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/livez", self.livez)
         app.router.add_get("/metrics", self.metrics)
         if self.config.admin_token is not None:
             add_admin_routes(app, self.fleet, self.config.admin_token, self.journal)
@@ -290,6 +291,11 @@ class RouterServer:
         self.proxy.close()
 
     # ---- small endpoints -----------------------------------------------------------------------
+
+    async def livez(self, request: web.Request) -> web.Response:
+        """Liveness: 200 whenever this process's event loop answers, whatever the engines' health and
+        during a drain too (``/health`` is readiness: 503 without a healthy engine)."""
+        return web.Response(body=b'{"status": "alive"}', content_type="application/json")
 
     async def health(self, request: web.Request) -> web.Response:
         """200 ``ok`` while an active backend is healthy; 503 ``unavailable`` when none is, or

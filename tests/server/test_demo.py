@@ -11,22 +11,28 @@ import pytest
 from kvroute.cli import main
 
 
-def test_demo_runs_both_policies_over_http(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_runs_the_policies_over_http(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "demo.json"
-    rc = main(["demo", "--instances", "2", "--duration", "6", "--time-scale", "2", "--json", str(out)])
+    rc = main(
+        ["demo", "--instances", "2", "--duration", "6", "--time-scale", "2", "--rate-scale", "0.5"]
+        + ["--policies", "lmetric,vllm,round-robin", "--json", str(out)]
+    )
     assert rc == 0
     rows = json.loads(out.read_text())
-    assert [r["policy"] for r in rows] == ["lmetric", "round-robin"]
+    assert [r["policy"] for r in rows] == ["lmetric", "vllm", "round-robin"]
+    assert [r["ttft_mean_vs_vllm"] for r in rows][1] == 1.0
     for r in rows:
         assert r["requests"] > 5 and r["unfinished"] == 0
         assert 0 < r["engine_ttft_ms_mean"] <= r["ttft_ms"]["mean"]  # the engine's share of the client's
         assert math.isfinite(r["simulated_ttft_ms_mean"]) and r["simulated_ttft_ms_mean"] > 0
         assert r["kv_hit_rate"] > 0
     text = capsys.readouterr().out
-    assert "| lmetric |" in text and "| round-robin |" in text
+    assert "| lmetric |" in text and "| round-robin |" in text and "multiturn" in text
 
 
 def test_demo_rejects_nonsense(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--policies", "nope"]) == 2
     assert "valid policies" in capsys.readouterr().err
     assert main(["demo", "--duration", "0"]) == 2
+    assert main(["demo", "--workload", "nope"]) == 2
+    assert "unknown workload" in capsys.readouterr().err

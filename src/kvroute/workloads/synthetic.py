@@ -210,6 +210,31 @@ class ChatbotConfig(WorkloadConfig):
 
 
 @dataclass(frozen=True)
+class MultiTurnConfig(ChatbotConfig):
+    """Conversation-dominated chat: the chatbot's users with short system prompts, long user turns, a
+    short think time and short answers, so that a prompt is mostly its own conversation's history and
+    where a turn lands decides how much of it must be prefilled again. The main job (``kvroute demo``)
+    replays it: with 4 instances a cache-blind balancer recomputes ~2/3 of every prompt, a KV-aware
+    router ~1/3, and the difference shows in TTFT near the balancer's knee."""
+
+    name: ClassVar[str] = "multiturn"
+    description: ClassVar[str] = (
+        "chat whose prompts are mostly the conversation's own history (short system prompts, ~500-token "
+        "user turns, 5 s think time, short answers)"
+    )
+    # Short system prompts (64-128 tokens): the shared part every instance caches is small.
+    system_prompt_tokens_min: int = 64
+    system_prompt_tokens_max: int = 128
+    # Long user turns (pasted text, documents): ~500 tokens each, lognormal.
+    user_msg_mean: float = 500.0
+    # Quick follow-ups: 5 s think time, 8 turns on average.
+    think_time_mean_s: float = 5.0
+    mean_turns: float = 8.0
+    # Short answers (~32 tokens): prefill, not decode, decides the load; light on HTTP streaming.
+    output_mean: float = 32.0
+
+
+@dataclass(frozen=True)
 class CoderConfig(WorkloadConfig):
     """Code completion: every request = its project's repository context + one of its open files (both
     shared, whole blocks) + ~128 new tokens; short outputs; Poisson arrivals."""
@@ -671,7 +696,15 @@ def _mixed(cfg: MixedConfig, rng: random.Random) -> Iterator[Request]:
 
 WORKLOADS: dict[str, type[WorkloadConfig]] = {
     cls.name: cls
-    for cls in (ChatbotConfig, CoderConfig, ApiConfig, AgentConfig, HotPrefixConfig, MixedConfig)
+    for cls in (
+        ChatbotConfig,
+        MultiTurnConfig,
+        CoderConfig,
+        ApiConfig,
+        AgentConfig,
+        HotPrefixConfig,
+        MixedConfig,
+    )
 }
 """Workload name → config class (each field documented with its source; ``description`` says what it is)."""
 

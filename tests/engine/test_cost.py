@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 
 from kvroute.engine.cost import (
-    LLAMA31_8B,
-    QWEN3_30B_A3B,
+    LLAMA31_8B_CONFIG,
+    QWEN3_30B_A3B_CONFIG,
     AttentionGrid,
     LinkSpec,
     ProfileCostModel,
     get_profile,
     kv_capacity_tokens,
+    load_packaged_model,
     load_packaged_tables,
     profile_names,
     read_profile_dir,
@@ -27,6 +28,8 @@ from kvroute.errors import UserError
 SHARED = Path(__file__).resolve().parents[2] / ".." / "shared"
 QWEN_DIR = SHARED / "profiles/llmservingsim/profiler/perf/RTXPRO6000/Qwen/Qwen3-30B-A3B-Instruct-2507/bf16"
 QWEN_JSON = "qwen3-30b-a3b-rtxpro6000-tp1.json"
+QWEN3_30B_A3B = load_packaged_model(*QWEN3_30B_A3B_CONFIG)
+LLAMA31_8B = load_packaged_model(*LLAMA31_8B_CONFIG)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from kvroute.cli import main
-from kvroute.engine.cost import QWEN3_30B_A3B, ModelShape, ProfileCostModel, ProfileTables, Table1D
+from kvroute.engine.cost import (
+    QWEN3_30B_A3B_CONFIG,
+    ModelShape,
+    ProfileCostModel,
+    ProfileTables,
+    Table1D,
+    load_packaged_model,
+)
 from kvroute.errors import UserError
 from kvroute.sim.validate import compare, load_bench, measured_latencies, simulate, summarize
 
@@ -17,6 +24,8 @@ SHARED = Path(__file__).resolve().parents[2] / ".." / "shared" / "profiles" / "l
 REAL_BENCH = SHARED / "bench/examples/RTXPRO6000/Qwen3-30B-A3B-Instruct-2507"
 REAL_PROFILE = SHARED / "profiler/perf/RTXPRO6000/Qwen/Qwen3-30B-A3B-Instruct-2507/bf16"
 
+QWEN3_30B_A3B = load_packaged_model(*QWEN3_30B_A3B_CONFIG)
+PACKAGED = Path(__file__).resolve().parents[2] / "src/kvroute/engine/profiles"
 TINY = ModelShape(
     name="tiny", num_layers=1, hidden=8, num_heads=1, num_kv_heads=1, head_dim=8, vocab=16, intermediate=8
 )
@@ -124,10 +133,13 @@ def test_bad_bench_errors(tmp_path):
         load_bench(root)
 
 
-def write_profile_dir(root: Path) -> Path:
-    """A minimal LLMServingSim v1 bundle for Qwen3-30B-A3B (flat 1 µs kernels)."""
+def write_profile_dir(root: Path, *, config: bool = True) -> Path:
+    """A minimal LLMServingSim v1 bundle for Qwen3-30B-A3B (flat 1 µs kernels), with the model's HF
+    config.json beside it unless ``config`` is False."""
     tp1 = root / "tp1"
     tp1.mkdir(parents=True)
+    if config:
+        (root / "config.json").write_text((PACKAGED / QWEN3_30B_A3B_CONFIG[0]).read_text())
     (root / "meta.yaml").write_text(f"model: {QWEN3_30B_A3B.name}\nhardware: RTXPRO6000\n")
     ops = ("embedding", "layernorm", "qkv_proj", "qk_norm", "rotary_emb", "o_proj", "final_layernorm")
     (tp1 / "dense.csv").write_text(
@@ -171,13 +183,98 @@ def test_cli_profiles_lists_all(capsys):
     assert "decode b=8 120.0 ms" in out  # the design document's claim
 
 
-@pytest.mark.skipif(not REAL_BENCH.is_dir(), reason="../shared (LLMServingSim bench and profiles) absent")
-def test_real_vllm_run_tpot_within_5_percent(tmp_path):
-    out = tmp_path / "v.json"
+def test_cli_validate_model_config_flag_and_errors(tmp_path, capsys):
+    bench = write_bench(tmp_path / "b", [(0.0, 100, 5, 0.1, 0.5)], model=QWEN3_30B_A3B.name)
+    prof = write_profile_dir(tmp_path / "p", config=False)
+    # no config.json beside the profile: one line naming where it looked and the flag to use
+    assert main(["validate", "--bench", str(bench), "--profile-dir", str(prof)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(prof) in err and "--model-config" in err
+    cfg = PACKAGED / QWEN3_30B_A3B_CONFIG[0]
     assert (
-        main(["validate", "--bench", str(REAL_BENCH), "--profile-dir", str(REAL_PROFILE), "--json", str(out)])
-        == 0
+        main(["validate", "--bench", str(bench), "--profile-dir", str(prof), "--model-config", str(cfg)]) == 0
     )
-    err = json.loads(out.read_text())["error_pct"]
-    assert abs(err["tpot_ms"]["mean"]) < 5.0
-    assert abs(err["e2e_ms"]["mean"]) < 5.0
+    capsys.readouterr()
+    missing = tmp_path / "absent.json"
+    assert (
+        main(["validate", "--bench", str(bench), "--profile-dir", str(prof), "--model-config", str(missing)])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(missing) in err
+    # a config of another architecture than the profiled one is refused, naming both files
+    (prof / "meta.yaml").write_text(
+        f"model: {QWEN3_30B_A3B.name}\nhardware: RTXPRO6000\narchitecture: llama\n"
+    )
+    assert (
+        main(["validate", "--bench", str(bench), "--profile-dir", str(prof), "--model-config", str(cfg)]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "qwen3_moe" in err and "meta.yaml" in err
+    # the bench folder's own config.json is LLMServingSim's cluster config, not a model config
+    (bench / "config.json").write_text(json.dumps({"nodes": [{"instances": [{"hardware": "RTXPRO6000"}]}]}))
+    (prof / "meta.yaml").write_text(f"model: {QWEN3_30B_A3B.name}\nhardware: RTXPRO6000\n")
+    flags = ["--profile-dir", str(prof), "--model-config", str(bench / "config.json")]
+    assert main(["validate", "--bench", str(bench), *flags]) == 2
+    assert "not a Hugging Face model config" in capsys.readouterr().err
+    # a named packaged profile of another model: says which model each is for
+    assert main(["validate", "--bench", str(bench), "--profile", "llama31-8b-h100-tp1"]) == 2
+    assert "meta-llama/Llama-3.1-8B" in capsys.readouterr().err
+
+
+def test_config_in_the_model_folder_above_the_variant(tmp_path):
+    from kvroute.engine.cost import profile_from_dir
+
+    prof = write_profile_dir(tmp_path / "Qwen3-30B-A3B" / "bf16", config=False)
+    (prof.parent / "config.json").write_text((PACKAGED / QWEN3_30B_A3B_CONFIG[0]).read_text())
+    p = profile_from_dir(prof)
+    assert p.model == QWEN3_30B_A3B  # same architecture, name from meta.yaml
+
+
+# Every real run in ../shared and the profile it is replayed with (as scripts/validate_runs.py does):
+# the Qwen3-30B-A3B MoE run (DP 2 + EP) with its RTX PRO 6000 v1 profile, the dense Llama-3.1-8B run
+# with the only Llama profile there is (H100, so only loose bounds: the hardware differs).
+REAL_RUNS = {
+    "moe-qwen3-30b-a3b": (
+        "Qwen3-30B-A3B-Instruct-2507",
+        ["--profile-dir", str(REAL_PROFILE), "--model-config", str(PACKAGED / QWEN3_30B_A3B_CONFIG[0])],
+    ),
+    "dense-llama-3.1-8b": ("Llama-3.1-8B", ["--profile", "llama31-8b-h100-tp1"]),
+}
+
+
+@pytest.mark.skipif(not REAL_BENCH.is_dir(), reason="../shared (LLMServingSim bench and profiles) absent")
+@pytest.mark.parametrize("key", sorted(REAL_RUNS))
+def test_real_vllm_runs(tmp_path, key):
+    run, flags = REAL_RUNS[key]
+    out = tmp_path / "v.json"
+    bench = SHARED / "bench/examples/RTXPRO6000" / run
+    assert main(["validate", "--bench", str(bench), *flags, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    err = data["error_pct"]
+    assert data["run"]["requests"] == 300 and data["run"]["run_hardware"] == "RTXPRO6000"
+    if key.startswith("moe"):
+        assert (data["run"]["dp"], data["run"]["ep"]) == (2, 2)
+        assert abs(err["tpot_ms"]["mean"]) < 5.0
+        assert abs(err["e2e_ms"]["mean"]) < 5.0
+    else:  # an H100 profile replaying an RTX PRO 6000 run: faster, but not absurdly so
+        assert data["run"]["profile_hardware"] == "H100"
+        assert -60.0 < err["tpot_ms"]["mean"] < 0.0
+
+
+def test_every_real_run_is_covered():
+    """scripts/validate_runs.py refuses to run unless each bench folder has a plan entry; the committed
+    results hold one JSON per planned run."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("validate_runs", root / "scripts/validate_runs.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    results = root / "docs/results/validate"
+    for run in mod.PLAN:
+        stem = run.split("/", 1)[-1].replace("/", "-")
+        assert json.loads((results / f"{stem}.json").read_text())["run"]["bench"].endswith(run)
+    if REAL_BENCH.is_dir():
+        assert sorted(mod.PLAN) == mod.discover(SHARED / "bench")

@@ -40,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, help="named cost profile (see `kvroute profiles`)")
     p.add_argument("--profile-dir", default=None, help="an LLMServingSim profile folder instead of --profile")
     p.add_argument("--tp", type=int, default=1, help="tensor parallelism for --profile-dir (default 1)")
+    p.add_argument("--model-config", metavar="FILE", help="the model's HF config.json for --profile-dir")
     p.add_argument("--max-num-seqs", type=int, default=256, help="running batch limit (default 256)")
     p.add_argument(
         "--max-num-batched-tokens",
@@ -137,8 +138,10 @@ def build(args: argparse.Namespace) -> tuple[EmulatorSettings, Profile, Tokenize
         raise UserError("--gpu-memory-utilization must be in (0, 1]")
     if args.profile and args.profile_dir:
         raise UserError("give --profile or --profile-dir, not both")
+    if args.model_config and not args.profile_dir:
+        raise UserError("--model-config goes with --profile-dir")
     if args.profile_dir:
-        profile = costmod.profile_from_dir(args.profile_dir, tp=args.tp)
+        profile = costmod.profile_from_dir(args.profile_dir, tp=args.tp, model_config=args.model_config)
     else:
         profile = costmod.get_profile(args.profile or costmod.DEFAULT_PROFILE)
     if args.kv_blocks is not None:

@@ -467,6 +467,7 @@ _SIM_FLAGS = (
     "seed",
     "profile",
     "profile_dir",
+    "model_config",
     "tp",
     "kv_tokens",
     "max_num_seqs",

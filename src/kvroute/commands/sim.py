@@ -32,6 +32,12 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=int, default=16, help="engine instances (default 16)")
     p.add_argument("--profile", default=None, help="named cost profile (see `kvroute profiles`)")
     p.add_argument("--profile-dir", default=None, help="LLMServingSim-format profile folder")
+    p.add_argument(
+        "--model-config",
+        metavar="FILE",
+        default=None,
+        help="the model's Hugging Face config.json for --profile-dir (default: a config.json beside it)",
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor parallel degree for --profile-dir")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
@@ -68,6 +74,7 @@ def spec_from_args(args: argparse.Namespace, policy: str, rate_scale: float | No
         skip_bad_lines=args.skip_bad_lines,
         profile=args.profile,
         profile_dir=args.profile_dir,
+        model_config=args.model_config,
         tp=args.tp,
         kv_tokens=args.kv_tokens,
         max_num_seqs=args.max_num_seqs,

@@ -57,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from kvroute.engine.modelconfig import ModelShape, find_model_config, load_model_config, parse_hf_config
 from kvroute.errors import UserError
 
 GIB = 1 << 30
@@ -68,99 +69,25 @@ TABLE_FORMAT = "kvroute-profile-tables/1"
 
 
 @dataclass(frozen=True, slots=True)
-class ModelShape:
-    """The architecture numbers a cost model and a KV budget need (from the model's HF ``config.json``).
-
-    ``moe_intermediate`` is the per-expert FFN width (0 for a dense model, whose MLP width is
-    ``intermediate``); ``dtype_bytes`` is the weight and KV element size (2 for bf16).
-    """
-
-    name: str
-    num_layers: int
-    hidden: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab: int
-    intermediate: int = 0
-    num_experts: int = 0
-    experts_per_token: int = 0
-    moe_intermediate: int = 0
-    tied_embeddings: bool = False
-    dtype_bytes: int = 2
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV cache bytes per token over all layers: 2 (K and V) × layers × kv_heads × head_dim × dtype."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
-
-    def param_counts(self) -> tuple[int, int]:
-        """(parameters outside the routed experts, parameters in the routed experts); norms included."""
-        attn = self.hidden * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        attn += self.num_heads * self.head_dim * self.hidden
-        norms = 2 * self.hidden + 2 * self.head_dim  # two RMSNorms + q/k norms (Qwen3; ~0 for others)
-        if self.num_experts:
-            router = self.hidden * self.num_experts
-            experts = self.num_layers * self.num_experts * 3 * self.hidden * self.moe_intermediate
-            per_layer = attn + norms + router
-        else:
-            experts = 0
-            per_layer = attn + norms + 3 * self.hidden * self.intermediate
-        embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return self.num_layers * per_layer + embed + self.hidden, experts
-
-    def weight_bytes(self, ep: int = 1, tp: int = 1) -> int:
-        """Weight bytes held by one GPU: non-expert weights split over ``tp``, experts over ``ep × tp``."""
-        dense, experts = self.param_counts()
-        return (dense // tp + experts // (ep * tp)) * self.dtype_bytes
-
-
-# Qwen/Qwen3-30B-A3B-Instruct-2507 config.json: 48 layers, hidden 2048, 32 q heads, 4 KV heads, head_dim 128,
-# 128 experts, 8 per token, moe_intermediate_size 768, vocab 151936, tie_word_embeddings false
-# (30.5 B parameters in total, 3.3 B active — the model card).
-QWEN3_30B_A3B = ModelShape(
-    name="Qwen/Qwen3-30B-A3B-Instruct-2507",
-    num_layers=48,
-    hidden=2048,
-    num_heads=32,
-    num_kv_heads=4,
-    head_dim=128,
-    vocab=151936,
-    intermediate=6144,
-    num_experts=128,
-    experts_per_token=8,
-    moe_intermediate=768,
-)
-# meta-llama/Llama-3.1-8B config.json: 32 layers, hidden 4096, 32 heads, 8 KV heads, head_dim 128,
-# intermediate 14336, vocab 128256, untied (8.03 B parameters).
-LLAMA31_8B = ModelShape(
-    name="meta-llama/Llama-3.1-8B",
-    num_layers=32,
-    hidden=4096,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    vocab=128256,
-    intermediate=14336,
-)
-
-
-@dataclass(frozen=True, slots=True)
 class GpuSpec:
-    """One GPU: memory in bytes, peak HBM bandwidth in bytes/s, peak dense bf16 FLOP/s (vendor sheets)."""
+    """One GPU: memory in bytes, peak HBM bandwidth in bytes/s, peak dense bf16 FLOP/s (vendor sheets);
+    ``key``: the hardware id LLMServingSim's profiles and cluster configs use (``hardware:``)."""
 
     name: str
     memory_bytes: int
     hbm_bytes_per_s: float
     bf16_flops: float
+    key: str = ""
 
 
 # RTX PRO 6000 Blackwell Server: 96 GB GDDR7 (LLMServingSim's cluster config: mem_size 96, mem_bw 1597 GB/s).
-RTXPRO6000 = GpuSpec("NVIDIA RTX PRO 6000 Blackwell", 96 * GIB, 1597e9, 0.0)
+RTXPRO6000 = GpuSpec("NVIDIA RTX PRO 6000 Blackwell", 96 * GIB, 1597e9, 0.0, "RTXPRO6000")
 # H100 SXM5 80 GB: 3.35 TB/s HBM3, 989 TFLOP/s dense bf16 (NVIDIA H100 datasheet).
-H100_SXM = GpuSpec("NVIDIA H100 SXM 80GB", 80 * GIB, 3.35e12, 989e12)
+H100_SXM = GpuSpec("NVIDIA H100 SXM 80GB", 80 * GIB, 3.35e12, 989e12, "H100")
 # A100 SXM4 80 GB: 2.039 TB/s HBM2e, 312 TFLOP/s dense bf16 (NVIDIA A100 datasheet).
-A100_80G = GpuSpec("NVIDIA A100 80GB", 80 * GIB, 2.039e12, 312e12)
+A100_80G = GpuSpec("NVIDIA A100 80GB", 80 * GIB, 2.039e12, 312e12, "A100")
+# The GPUs a profile's ``hardware:`` may name (memory for the KV budget, the link for collectives).
+GPUS: dict[str, GpuSpec] = {g.key: g for g in (RTXPRO6000, H100_SXM, A100_80G)}
 
 # vLLM's default --gpu-memory-utilization.
 GPU_MEMORY_UTILIZATION = 0.9
@@ -181,13 +108,13 @@ def kv_capacity_tokens(
 ) -> int:
     """KV cache capacity of one engine in **tokens** (per GPU for TP: KV heads are split over ``tp``).
 
-    ``(memory × mem_util − weights − reserve) / (kv_bytes_per_token / tp)``; raises UserError when the
+    ``(memory × mem_util − weights − reserve) / (KV bytes per token on one rank)``; raises UserError when the
     weights do not fit.
     """
     free = gpu.memory_bytes * mem_util - model.weight_bytes(ep=ep, tp=tp) - reserve_bytes
     if free <= 0:
         raise UserError(f"{model.name} does not fit on {gpu.name} (ep={ep}, tp={tp})")
-    return int(free // (model.kv_bytes_per_token / tp))
+    return int(free // model.kv_bytes_per_token_per_rank(tp))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -840,9 +767,21 @@ def load_packaged_tables(filename: str) -> ProfileTables:
     return tables_from_json(json.loads(text), filename)
 
 
+def load_packaged_model(filename: str, name: str) -> ModelShape:
+    """The architecture of a packaged profile's model, from the HF ``config.json`` shipped beside its
+    tables (``kvroute/engine/profiles/*.config.json``; sources in that package's docstring)."""
+    text = resources.files(_DATA_PACKAGE).joinpath(filename).read_text()
+    return parse_hf_config(json.loads(text), filename, name)
+
+
+# The models the packaged tables were profiled with, and their configs in the package.
+QWEN3_30B_A3B_CONFIG = ("qwen3-30b-a3b-instruct-2507.config.json", "Qwen/Qwen3-30B-A3B-Instruct-2507")
+LLAMA31_8B_CONFIG = ("llama-3.1-8b.config.json", "meta-llama/Llama-3.1-8B")
+
+
 def _qwen_rtx() -> Profile:
     tables = load_packaged_tables("qwen3-30b-a3b-rtxpro6000-tp1.json")
-    m, g = QWEN3_30B_A3B, RTXPRO6000
+    m, g = load_packaged_model(*QWEN3_30B_A3B_CONFIG), RTXPRO6000
     return Profile(
         name="qwen3-30b-a3b-rtxpro6000-tp1",
         cost=ProfileCostModel("qwen3-30b-a3b-rtxpro6000-tp1", tables, m, tp=1, link=RTXPRO6000_PCIE),
@@ -857,7 +796,7 @@ def _qwen_rtx() -> Profile:
 
 def _llama_h100() -> Profile:
     tables = load_packaged_tables("llama31-8b-h100-tp1.json")
-    m, g = LLAMA31_8B, H100_SXM
+    m, g = load_packaged_model(*LLAMA31_8B_CONFIG), H100_SXM
     kv_layer = 2 * m.num_kv_heads * m.head_dim * m.dtype_bytes
     analytic = AnalyticAttention(
         kv_bytes_per_token_layer=kv_layer,
@@ -888,7 +827,7 @@ DESIGN_PREFILL_S_PER_TOKEN = 2 * 3.3e9 / (0.5 * A100_80G.bf16_flops)
 
 
 def _design() -> Profile:
-    m, g = QWEN3_30B_A3B, A100_80G
+    m, g = load_packaged_model(*QWEN3_30B_A3B_CONFIG), A100_80G
     return Profile(
         name="design-a100-qwen30b",
         cost=LinearCostModel("design-a100-qwen30b", DESIGN_DECODE_S_PER_SEQ, DESIGN_PREFILL_S_PER_TOKEN),
@@ -921,33 +860,79 @@ def get_profile(name: str = DEFAULT_PROFILE) -> Profile:
     return factory()
 
 
-def profile_from_dir(profile_dir: str | Path, tp: int = 1, model: ModelShape | None = None) -> Profile:
-    """A profile from an LLMServingSim v1 bundle. The model shape comes from ``meta.yaml``'s ``model``
-    (Qwen3-30B-A3B is the only one known here; pass ``model`` for others)."""
+def profile_from_dir(
+    profile_dir: str | Path,
+    tp: int = 1,
+    model: ModelShape | None = None,
+    model_config: str | Path | None = None,
+) -> Profile:
+    """A profile from an LLMServingSim v1 bundle (``meta.yaml`` + ``tp<N>/``), at any TP degree it has.
+
+    The architecture comes from ``model`` if given, else the Hugging Face ``config.json`` at
+    ``model_config``, else one next to the profile (:func:`~kvroute.engine.modelconfig.find_model_config`);
+    its name from ``meta.yaml``'s ``model``. The GPU from ``meta.yaml``'s ``hardware`` (:data:`GPUS`).
+    Raises UserError (one line, naming the file) for a missing piece or a config that contradicts the
+    profile (MoE config without ``moe.csv``, ``model_type`` ≠ the profiled ``architecture``).
+    """
     import yaml
 
     root = Path(profile_dir)
     tables = read_profile_dir(root, tp)
-    meta = yaml.safe_load((root / "meta.yaml").read_text()) or {}
+    meta_path = root / "meta.yaml"
+    try:
+        meta = yaml.safe_load(meta_path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"{meta_path}: not YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"{meta_path}: not a mapping")
+    hardware = str(meta.get("hardware", ""))
+    gpu = GPUS.get(hardware)
+    if gpu is None:
+        raise UserError(f"{meta_path}: unknown hardware {hardware or None!r}; known: {', '.join(GPUS)}")
+    name = str(meta.get("model") or root.name)
     if model is None:
-        known = {QWEN3_30B_A3B.name: QWEN3_30B_A3B, LLAMA31_8B.name: LLAMA31_8B}
-        model = known.get(str(meta.get("model")))
-        if model is None:
+        cfg_path = Path(model_config) if model_config is not None else find_model_config(root)
+        if cfg_path is None:
             raise UserError(
-                f"{root / 'meta.yaml'}: unknown model {meta.get('model')!r}; known: {', '.join(known)}"
+                f"model config missing: no Hugging Face config.json in {root} or {root.parent}; "
+                f"give {name}'s config.json with --model-config FILE"
             )
-    gpu = RTXPRO6000 if str(meta.get("hardware", "")) == "RTXPRO6000" else H100_SXM
+        model = load_model_config(cfg_path, name)
+        arch = meta.get("architecture")
+        types = _config_model_types(cfg_path)
+        if arch and types and str(arch) not in types:
+            raise UserError(
+                f"{cfg_path}: model_type {', '.join(sorted(types))}, but {meta_path} was profiled as {arch!r}"
+            )
+        if model.num_experts and tables.moe is None:
+            raise UserError(
+                f"{cfg_path}: a MoE model ({model.num_experts} experts) but the profile has no "
+                f"{root / f'tp{tp}' / 'moe.csv'} (nor tp1/moe.csv)"
+            )
+        if not model.num_experts and tables.moe is not None:
+            raise UserError(f"{cfg_path}: a dense model, but {root} holds a MoE profile (moe.csv)")
     link = RTXPRO6000_PCIE if gpu is RTXPRO6000 else H100_NVLINK
-    name = f"dir:{root.name}-tp{tp}"
+    pname = f"dir:{root.name}-tp{tp}"
     return Profile(
-        name=name,
-        cost=ProfileCostModel(name, tables, model, tp=tp, link=link),
+        name=pname,
+        cost=ProfileCostModel(pname, tables, model, tp=tp, link=link),
         kv_capacity_tokens=kv_capacity_tokens(gpu, model, tp=tp),
         description=f"{model.name} on {meta.get('gpu', gpu.name)} tp{tp}",
         source=tables.source,
         model=model,
         gpu=gpu,
     )
+
+
+def _config_model_types(path: Path) -> set[str]:
+    """``model_type`` of a HF config and of its nested text model (multimodal configs), where present."""
+    data = json.loads(path.read_text())
+    found = {str(data["model_type"])} if data.get("model_type") else set()
+    for key in ("text_config", "llm_config", "language_config"):
+        nested = data.get(key)
+        if isinstance(nested, dict) and nested.get("model_type"):
+            found.add(str(nested["model_type"]))
+    return found
 
 
 __all__ = [
@@ -962,6 +947,7 @@ __all__ = [
     "ProfileTables",
     "get_profile",
     "kv_capacity_tokens",
+    "load_packaged_model",
     "profile_from_dir",
     "profile_names",
     "read_profile_dir",

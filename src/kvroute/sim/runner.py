@@ -46,6 +46,7 @@ class RunSpec:
     skip_bad_lines: bool = False
     profile: str | None = None
     profile_dir: str | None = None
+    model_config: str | None = None  # the model's HF config.json for ``profile_dir`` (else found beside it)
     tp: int = 1
     kv_tokens: int | None = None
     max_num_seqs: int = 256
@@ -65,8 +66,10 @@ def load_profile(spec: RunSpec) -> Any:
 
     if spec.profile and spec.profile_dir:
         raise UserError("give --profile or --profile-dir, not both")
+    if spec.model_config and not spec.profile_dir:
+        raise UserError("--model-config goes with --profile-dir")
     if spec.profile_dir:
-        return profile_from_dir(spec.profile_dir, tp=spec.tp)
+        return profile_from_dir(spec.profile_dir, tp=spec.tp, model_config=spec.model_config)
     return get_profile(spec.profile or DEFAULT_PROFILE)
 
 

@@ -3,7 +3,8 @@
 A bench folder (LLMServingSim's ``bench/examples/<hw>/<model>/``) holds ``vllm/meta.json`` (engine
 settings), ``vllm/requests.jsonl`` (per request: ``input_toks``, ``output_toks`` and vLLM's
 ``queued_ts``/``first_token_ts``/``last_token_ts`` on the engine's monotonic clock, seconds) and
-optionally ``config.json`` (LLMServingSim's cluster config: ``link_bw`` in GB/s, ``link_latency`` in ns).
+optionally ``config.json`` (LLMServingSim's cluster config: ``link_bw`` in GB/s, ``link_latency`` in ns,
+``nodes[0].instances[0].hardware``: the GPU the run used).
 
 Latency definitions (LLMServingSim's ``bench/core/validate.py``, applied to both sides):
 TTFT = first token − arrival, TPOT = (last token − first token) / (output tokens − 1) for outputs of 2+
@@ -75,6 +76,7 @@ class BenchRun:
     dp: int
     expert_parallel: bool
     link: LinkSpec | None
+    hardware: str | None = None  # the cluster config's ``hardware`` of the first instance, if any
 
     @property
     def ep(self) -> int:
@@ -97,10 +99,12 @@ def load_bench(bench_dir: str | Path) -> BenchRun:
     meta = _load_json(root / "vllm" / "meta.json")
     kw = meta.get("engine_kwargs", {})
     link = None
+    hardware = None
     if (root / "config.json").is_file():
         cfg = _load_json(root / "config.json")
         if "link_bw" in cfg:  # GB/s and ns in LLMServingSim's cluster config
             link = LinkSpec(float(cfg["link_bw"]) * 1e9, float(cfg.get("link_latency", 0)) * 1e-9)
+        hardware = _cluster_hardware(cfg)
     path = root / "vllm" / "requests.jsonl"
     if not path.is_file():
         raise UserError(f"bench file missing: {path}")
@@ -136,7 +140,16 @@ def load_bench(bench_dir: str | Path) -> BenchRun:
         dp=int(kw.get("data_parallel_size") or 1),
         expert_parallel=bool(kw.get("enable_expert_parallel", False)),
         link=link,
+        hardware=hardware,
     )
+
+
+def _cluster_hardware(cfg: Any) -> str | None:
+    """``hardware`` of the first instance of an LLMServingSim cluster config (``nodes[].instances[]``)."""
+    try:
+        return str(cfg["nodes"][0]["instances"][0]["hardware"])
+    except (KeyError, IndexError, TypeError):
+        return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,10 @@ from kvroute.cli import main
 def test_demo_runs_the_policies_over_http(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "demo.json"
     rc = main(
-        ["demo", "--instances", "2", "--duration", "6", "--time-scale", "2", "--rate-scale", "0.5"]
-        + ["--policies", "lmetric,vllm,round-robin", "--json", str(out)]
+        [
+            *("demo", "--instances", "2", "--duration", "6", "--time-scale", "2", "--rate-scale", "0.5"),
+            *("--policies", "lmetric,vllm,round-robin", "--json", str(out)),
+        ]
     )
     assert rc == 0
     rows = json.loads(out.read_text())

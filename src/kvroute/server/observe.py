@@ -22,7 +22,9 @@ Metrics (on the router's own registry; ``{backend}`` is the URL, ``{policy}`` th
 name, e.g. ``lmetric`` or ``lmetric+hotspot``):
 
 - ``kvroute_cached_tokens_error{backend}``: histogram of real − expected cached prompt tokens
-  (tokens; negative: the router expected more cache than the engine had). Also
+  (tokens; negative: the router expected more cache than the engine had). Its buckets are signed,
+  so, by Prometheus' rule, it has no ``_sum``/``_count``: the count is the ``le="+Inf"`` bucket and
+  the sum is ``real_total − expected_total`` of the two counters that go with it,
   ``kvroute_cached_tokens_expected_total{backend}`` and ``kvroute_cached_tokens_real_total{backend}``
   over the same requests (those whose response reported ``cached_tokens``).
 - ``kvroute_request_routing_seconds{backend,policy}``: parse + tokenize + plan;

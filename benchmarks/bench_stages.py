@@ -14,12 +14,17 @@ For each request, in order, timed with ``time.perf_counter``:
 - ``tokenize``: the new segments tokenized;
 - ``hash``: block hashes (memoised along cached segments);
 - ``plan``: KV match on every backend + instance views + policy;
+- ``observe``: the decision record and its outcome (:class:`~kvroute.server.observe.Observer`:
+  ``planned``, ``attempt``, ``response_headers``, ``finish``: the ring buffer, the request id and the
+  latency histograms), as the proxy does around forwarding;
 - ``routed``: the routing history recorded for the chosen backend (with an exact KV view the proxy
   does this after sending the request, off the request's path);
 - ``events``: the KV event batch the chosen engine would publish for the request's new blocks
   (msgpack-encoded beforehand, as vLLM sends it), decoded and applied (block hashes rebuilt from
   ``token_ids``). Not on the request's own path, but on the router's event loop.
 
+Run twice: as configured by default, and with everything that costs on the request path turned on
+(``explain``, three shadow policies ``vllm,llm-d,round-robin``: their cost shows in ``plan``).
 The first ``WARMUP`` requests are not counted. Reports the mean and p50 per stage (µs) and the sum of
 the means of the stages on the request's path (``path_us``: all but ``routed`` and ``events``). Writes
 ``benchmarks/results/stages.json``.
@@ -40,6 +45,7 @@ from kvroute.kvevents import decode_batch, encode_batch
 from kvroute.loadgen import BlockText
 from kvroute.policies.registry import make_policy
 from kvroute.server.config import BackendSpec, RouterConfig
+from kvroute.server.observe import Observer
 from kvroute.server.router import RouterCore
 from kvroute.server.tokenize import RequestTokenizer
 from kvroute.server.validate import parse_request
@@ -48,11 +54,15 @@ from kvroute.tokenizer import load_tokenizer
 REQUESTS = 1200
 WARMUP = 200
 BACKENDS = 4
-PATH_STAGES = ("parse", "split", "tokenize", "hash", "plan")
+PATH_STAGES = ("parse", "split", "tokenize", "hash", "plan", "observe")
 STAGES = (*PATH_STAGES, "routed", "events")
 
 
-def measure(requests: int = REQUESTS, warmup: int = WARMUP) -> dict[str, Any]:
+OBSERVED = {"explain": True, "shadow": ("vllm", "llm-d", "round-robin")}
+"""The second run's config: explanation headers and three shadow policies."""
+
+
+def measure(requests: int = REQUESTS, warmup: int = WARMUP, **config_extra: Any) -> dict[str, Any]:
     """Per-stage samples (µs) over ``requests - warmup`` requests; see the module docstring."""
     tok = load_tokenizer()
     text = BlockText(tok)
@@ -72,9 +82,13 @@ def measure(requests: int = REQUESTS, warmup: int = WARMUP) -> dict[str, Any]:
         backends=tuple(
             BackendSpec(url=f"http://127.0.0.1:{9000 + i}", kv_events=f"tcp://127.0.0.1:{9100 + i}")
             for i in range(BACKENDS)
-        )
+        ),
+        **config_extra,
     )
     core = RouterCore(config, RequestTokenizer(tok, config.tokenizer_cache_entries), make_policy("lmetric"))
+    from prometheus_client import CollectorRegistry
+
+    obs = Observer(core, CollectorRegistry())
     bs = config.block_size
     stored: list[set[int]] = [set() for _ in range(BACKENDS)]  # what each "engine" has cached
     samples: dict[str, list[float]] = {s: [] for s in STAGES}
@@ -92,6 +106,13 @@ def measure(requests: int = REQUESTS, warmup: int = WARMUP) -> dict[str, Any]:
         plan = core.plan(parsed, ids, {}, hashes=chain)
         t5 = clock()
         idx = plan.order[0]
+        rec = obs.planned(f"{n:032x}", plan, "/v1/completions", {}, t0, t5 - t0)
+        obs.attempt(rec, idx, core.backends[idx].url, False, {})
+        rec.first_byte = clock()
+        obs.response_headers(rec)
+        rec.status, rec.complete, rec.cached_real = 200, True, plan.cached_blocks[idx] * bs
+        obs.finish(rec)
+        t5b = clock()
         core.kv.on_routed(idx, plan.chain, core.clock())
         t6 = clock()
         # The engine's BlockStored for the blocks it did not have (engine hash = ours here).
@@ -119,7 +140,7 @@ def measure(requests: int = REQUESTS, warmup: int = WARMUP) -> dict[str, Any]:
         if n < warmup:
             continue
         for stage, a, b in zip(
-            STAGES, (t0, t1, t2, t3, t4, t5, t7), (t1, t2, t3, t4, t5, t6, t8), strict=True
+            STAGES, (t0, t1, t2, t3, t4, t5, t5b, t7), (t1, t2, t3, t4, t5, t5b, t6, t8), strict=True
         ):
             samples[stage].append((b - a) * 1e6)
     means = {s: statistics.fmean(v) for s, v in samples.items()}
@@ -134,10 +155,28 @@ def measure(requests: int = REQUESTS, warmup: int = WARMUP) -> dict[str, Any]:
 
 def main() -> int:
     out = measure()
-    rows = [(s, f"{out['mean_us'][s]:.0f}", f"{out['p50_us'][s]:.0f}") for s in STAGES]
-    rows.append(("request path (sum of means, all but routed and events)", f"{out['path_us']:.0f}", ""))
-    table(rows, headers=("stage", "mean µs", "p50 µs"))
-    write("stages.json", out)
+    observed = measure(**OBSERVED)
+    rows = [
+        (s, f"{out['mean_us'][s]:.1f}", f"{out['p50_us'][s]:.1f}", f"{observed['mean_us'][s]:.1f}")
+        for s in STAGES
+    ]
+    rows.append(
+        (
+            "request path (sum of means, all but routed and events)",
+            f"{out['path_us']:.0f}",
+            "",
+            f"{observed['path_us']:.0f}",
+        )
+    )
+    table(rows, headers=("stage", "mean µs", "p50 µs", "mean µs, explain + 3 shadows"))
+    write(
+        "stages.json",
+        out
+        | {
+            "observed": observed
+            | {"config": {k: list(v) if isinstance(v, tuple) else v for k, v in OBSERVED.items()}}
+        },
+    )
     return 0
 
 

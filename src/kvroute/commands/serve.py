@@ -36,6 +36,10 @@ _SIMPLE = {
     "peer_bind": "peer_bind",
     "peer_expiry": "peer_expiry_s",
     "peer_refresh": "peer_refresh_s",
+    "explain": "explain",
+    "decisions_kept": "decisions_kept",
+    "access_log": "access_log",
+    "otel": "otel",
 }
 
 ADMIN_TOKEN_ENV = "KVROUTE_ADMIN_TOKEN"
@@ -129,6 +133,7 @@ def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> N
         "without one the admin API is off",
     )
     add_peer_arguments(p)
+    add_observe_arguments(p)
     from kvroute.commands.settings import add_feature_arguments
 
     add_feature_arguments(p)
@@ -159,6 +164,39 @@ def add_peer_arguments(p: argparse.ArgumentParser) -> None:
         type=seconds,
         metavar="S",
         help="re-announce this replica's whole load every S seconds (default 1)",
+    )
+
+
+def add_observe_arguments(p: argparse.ArgumentParser) -> None:
+    """Seeing decisions (kvroute.server.observe)."""
+    g = p.add_argument_group("seeing decisions (also the config's explain, decisions_kept, ... keys)")
+    g.add_argument(
+        "--explain",
+        action="store_const",
+        const=True,
+        help="every response carries x-kvroute-backend/-policy/-reason/-score/-cached-tokens headers "
+        "(without it, only requests sending 'x-kvroute-explain: 1')",
+    )
+    g.add_argument(
+        "--decisions-kept",
+        type=int,
+        metavar="N",
+        help="decision records kept for GET /debug/decisions (default 1000; needs --admin-token)",
+    )
+    g.add_argument(
+        "--access-log", metavar="FILE", help="append one JSON line per request to FILE (- for stdout)"
+    )
+    g.add_argument(
+        "--shadow",
+        metavar="POLICIES",
+        help="comma-separated policies computed beside the real one for every request, from the same "
+        "views (agreement and differences on /metrics, e.g. vllm,llm-d,round-robin)",
+    )
+    g.add_argument(
+        "--otel",
+        action="store_const",
+        const=True,
+        help="OpenTelemetry traces over OTLP/HTTP (OTEL_EXPORTER_OTLP_ENDPOINT; needs kvroute[otel])",
     )
 
 
@@ -193,6 +231,10 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["admin_token"] = os.environ[ADMIN_TOKEN_ENV]
     if getattr(args, "discover", None):
         out["discover"] = tuple(args.discover)
+    if getattr(args, "shadow", None):
+        from kvroute.routing.shadow import parse_shadow_names
+
+        out["shadow"] = parse_shadow_names(args.shadow)
     if getattr(args, "peers", None) is not None:
         out["peers"] = tuple(p.strip() for p in args.peers.split(",") if p.strip())
     return out

@@ -496,6 +496,8 @@ def sim_command(spec: RunSpec) -> str:
             parts.append(f"--{name.replace('_', '-')} {value}")
     parts += feature_flags(spec.features, seq_capacity=spec.max_num_seqs)
     parts += scenario_flags(spec.scenario)
+    if spec.shadow:
+        parts.append(f"--shadow {','.join(spec.shadow)}")
     return " ".join(parts)
 
 
@@ -616,7 +618,7 @@ def _backend_from(item: Any, where: str) -> BackendSpec:
 
 
 _ROUTER_FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
-_OPTIONAL_STR = ("tokenizer", "admin_token", "discover_kv_events")
+_OPTIONAL_STR = ("tokenizer", "admin_token", "discover_kv_events", "access_log")
 
 
 def config_from_mapping(data: Mapping[str, Any], where: str = "config") -> RouterConfig:
@@ -642,6 +644,13 @@ def config_from_mapping(data: Mapping[str, Any], where: str = "config") -> Route
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise UserError(f"{where}: 'peers' must be a list of tcp://HOST:PORT or dns://NAME:PORT")
             kwargs["peers"] = tuple(value)
+            continue
+        if key == "shadow":  # shadow policies: a list or "a,b" (names checked by RouterConfig.validate)
+            if isinstance(value, str):
+                value = value.split(",")
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise UserError(f"{where}: 'shadow' must be a list of policy names")
+            kwargs["shadow"] = tuple(v.strip() for v in value if v.strip())
             continue
         f = _ROUTER_FIELDS.get(key)
         if f is None:

@@ -53,6 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="lmetric", help="routing policy (see the registry; default lmetric)")
     p.add_argument("--json", metavar="FILE", help="write the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--shadow",
+        metavar="POLICIES",
+        help="comma-separated policies computed beside --policy at every decision, from the same views "
+        "(agreement and predicted score/cached-token differences in the output and JSON)",
+    )
     from kvroute.commands.settings import add_feature_arguments
 
     add_feature_arguments(p, simulation=True)
@@ -60,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def spec_from_args(args: argparse.Namespace, policy: str, rate_scale: float | None = None) -> Any:
     from kvroute.commands.settings import features_from_args, scenario_from_args
+    from kvroute.routing.shadow import parse_shadow_names
     from kvroute.sim.runner import RunSpec
 
     return RunSpec(
@@ -84,6 +91,7 @@ def spec_from_args(args: argparse.Namespace, policy: str, rate_scale: float | No
         event_delay=args.event_delay,
         features=features_from_args(args, seq_capacity=args.max_num_seqs),
         scenario=scenario_from_args(args),
+        shadow=parse_shadow_names(args.shadow) if getattr(args, "shadow", None) else (),
     )
 
 
@@ -118,6 +126,11 @@ def print_summary(out: dict[str, Any]) -> None:
         f"{out['sim_seconds']:,.1f} s simulated in {out['wall_seconds']:.1f} s wall "
         f"({out['sim_seconds'] / max(out['wall_seconds'], 1e-9):,.0f}x real time)"
     )
+    for name, sh in out.get("shadow", {}).items():
+        print(
+            f"shadow {name}: agrees {sh['agreement']:.1%}; its choice: P-token×(BS+1) "
+            f"{sh['mean_score_diff']:+,.0f}, cached tokens {sh['mean_cached_diff']:+,.1f} on average"
+        )
     if out.get("skipped_lines"):
         print(f"skipped {out['skipped_lines']} bad trace lines")
 

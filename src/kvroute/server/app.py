@@ -28,6 +28,7 @@ from kvroute.policies.registry import make_policy
 from kvroute.server.admin import add_admin_routes, apply_journal_line
 from kvroute.server.backends import ACTIVE
 from kvroute.server.config import BackendSpec, RouterConfig
+from kvroute.server.debug import add_debug_routes
 from kvroute.server.discovery import Discovery, ParseBackends, Resolver
 from kvroute.server.events import EventSubscriber
 from kvroute.server.exporter import RouterCollector, render_metrics
@@ -37,6 +38,7 @@ from kvroute.server.h1 import H1Transport
 from kvroute.server.journal import AdminJournal
 from kvroute.server.loadtable import LoadTable
 from kvroute.server.monitor import Monitor
+from kvroute.server.observe import Observer
 from kvroute.server.peers import PeerCollector, PeerLink, PeerSettings
 from kvroute.server.proxy import Proxy, error_response
 from kvroute.server.router import RouterCore
@@ -78,6 +80,7 @@ class RouterServer:
         peer_worker: int = 0,
         peer_receive: bool = True,
         admin_journal: str | None = None,
+        tracer_provider: Any = None,
     ) -> None:
         config.validate()
         self.config = config
@@ -95,7 +98,10 @@ class RouterServer:
         self.reuse_port = (
             reuse_port  # SO_REUSEPORT: the workers of `kvroute serve --workers N` share the port
         )
-        self.proxy = Proxy(self.core, self.transport)
+        self.registry = CollectorRegistry(auto_describe=True)
+        # decisions, latency histograms, access log, traces (tracer_provider: tests; else --otel's)
+        self.observer = Observer(self.core, self.registry, tracer_provider)
+        self.proxy = Proxy(self.core, self.transport, self.observer)
         self.monitor = Monitor(self.core, self.transport)
         self.background = background
         self.subscribers: list[EventSubscriber] = []  # live KV event subscribers (the fleet's)
@@ -105,7 +111,6 @@ class RouterServer:
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self.draining = False  # shutting down: /health answers 503
-        self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(RouterCollector(self.core, self.subscribers, self.proxy))
         self._features: FeatureCollector | None = None
         self._register_features()
@@ -152,6 +157,7 @@ class RouterServer:
         app.router.add_get("/metrics", self.metrics)
         if self.config.admin_token is not None:
             add_admin_routes(app, self.fleet, self.config.admin_token, self.journal)
+            add_debug_routes(app, self.core, self.observer.log, self.config.admin_token)
         return app
 
     async def start(self) -> str:
@@ -289,6 +295,7 @@ class RouterServer:
             self.peers.close()
         await self.transport.close()
         self.proxy.close()
+        self.observer.close()
 
     # ---- small endpoints -----------------------------------------------------------------------
 

@@ -30,6 +30,11 @@ The command-line flags and the YAML file that build it are read by :mod:`kvroute
     peer_expiry_s: 3.0                        # a silent peer's reservations vanish after this
     peer_refresh_s: 1.0                       # each replica re-announces its whole load this often
     workers: 1                                # `kvroute serve` processes sharing the port (SO_REUSEPORT)
+    explain: false                            # every response carries x-kvroute-* explanation headers
+    decisions_kept: 1000                      # decision records kept for GET /debug/decisions
+    access_log: null                          # JSON lines access log: a file path, or - for stdout
+    shadow: [vllm, round-robin]               # shadow policies, computed beside the real one
+    otel: false                               # OpenTelemetry traces (the otel extra)
     ...                                       # any other RouterConfig field by name
 
 A backend mapping may carry ``tags: [spot]`` (spot instances, see ``features.limits``).
@@ -110,6 +115,11 @@ class RouterConfig:
       (``tcp://HOST:PORT``), announce this one's to ``peers`` (``tcp://HOST:PORT`` or
       ``dns://NAME:PORT``, every address of NAME); a re-announcement every ``peer_refresh_s`` seconds
       heals lost messages, a peer silent for ``peer_expiry_s`` seconds is forgotten.
+    - ``explain``, ``decisions_kept``, ``access_log``, ``shadow``, ``otel``: seeing decisions (see
+      :mod:`kvroute.server.observe`): explanation headers on every response, the size of the decision
+      ring buffer (``GET /debug/decisions``), the JSON-lines access log (None: off; ``-``: stdout),
+      shadow policies (:mod:`kvroute.routing.shadow`) and OpenTelemetry traces
+      (:mod:`kvroute.server.tracing`).
     """
 
     backends: tuple[BackendSpec, ...]
@@ -146,6 +156,11 @@ class RouterConfig:
     peer_expiry_s: float = 3.0
     peer_refresh_s: float = 1.0
     workers: int = 1  # `kvroute serve` processes on the port (kvroute.server.workers); 1: this process
+    explain: bool = False
+    decisions_kept: int = 1000
+    access_log: str | None = None
+    shadow: tuple[str, ...] = ()
+    otel: bool = False
 
     def validate(self) -> RouterConfig:
         """Return self; raise :class:`UserError` for a value out of range."""
@@ -188,11 +203,16 @@ class RouterConfig:
             ("drain_timeout_s", 0 <= self.drain_timeout_s < float("inf")),
             ("discover_interval_s", 0 < self.discover_interval_s < float("inf")),
             ("workers", 1 <= self.workers <= 256),
+            ("decisions_kept", 1 <= self.decisions_kept <= 1_000_000),
         ]
         for name, ok in checks:
             if not ok:
                 raise UserError(f"config: {name}={getattr(self, name)!r} is out of range")
         self._validate_peers()
+        if self.shadow:
+            from kvroute.routing.shadow import parse_shadow_names
+
+            parse_shadow_names(self.shadow)
         if self.tokenize not in TOKENIZE_MODES:
             raise UserError(f"config: tokenize={self.tokenize!r} must be one of {', '.join(TOKENIZE_MODES)}")
         return self

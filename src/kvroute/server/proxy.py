@@ -33,6 +33,8 @@ from aiohttp import web
 
 from kvroute.server.backends import ACTIVE, BackendState, Lease
 from kvroute.server.chainmemo import Piece
+from kvroute.server.decisions import DecisionRecord
+from kvroute.server.observe import REQUEST_ID_HEADER, Observer, request_id
 from kvroute.server.router import Plan, QuotaExceeded, RouterCore
 from kvroute.server.tokenize import Pending
 from kvroute.server.transport import Transport, UpstreamBrokenError, UpstreamConnectError, UpstreamResponse
@@ -197,11 +199,18 @@ def _shutting_down(detail: str) -> ApiError:
 
 
 class Proxy:
-    """Forwards requests planned by a :class:`RouterCore` through a :class:`Transport`."""
+    """Forwards requests planned by a :class:`RouterCore` through a :class:`Transport`; ``observer``
+    records decisions and outcomes (:mod:`kvroute.server.observe`; by default one on a registry of
+    its own)."""
 
-    def __init__(self, core: RouterCore, transport: Transport) -> None:
+    def __init__(self, core: RouterCore, transport: Transport, observer: Observer | None = None) -> None:
         self.core = core
         self.transport = transport
+        if observer is None:
+            from prometheus_client import CollectorRegistry
+
+            observer = Observer(core, CollectorRegistry())
+        self.observer = observer
         self.route_seconds_sum = 0.0  # time spent routing (parse + tokenize + plan), seconds
         self.route_count = 0
         # the same time by stage (seconds, wall, on the event loop; "tokenize" includes a wait for
@@ -299,9 +308,11 @@ class Proxy:
 
     async def _route(self, request: web.Request, chat: bool, path: str) -> web.StreamResponse:
         counters = self.core.counters
+        clock = time.perf_counter
+        arrival = clock()
+        rid = request_id(request.headers)
         try:
             raw = await self._read_body(request)
-            clock = time.perf_counter
             stages = self.stage_seconds
             t0 = clock()
             parsed = parse_request(raw, chat)
@@ -339,15 +350,26 @@ class Proxy:
         except ApiError as err:
             if err.status == 503:
                 counters.unavailable += 1
-                return error_response(err, self.core.config.retry_after_s)
-            if isinstance(err, QuotaExceeded):  # 429 with Retry-After (token quota)
+                resp = error_response(err, self.core.config.retry_after_s)
+            elif isinstance(err, QuotaExceeded):  # 429 with Retry-After (token quota)
                 counters.client_errors += 1
-                return error_response(err, err.retry_after)
-            counters.client_errors += 1
-            counters.rejected += 1
-            return error_response(err)
+                if err.decision is not None:
+                    self.observer.refused(rid, err.decision, path, arrival, 429)
+                resp = error_response(err, err.retry_after)
+            else:
+                counters.client_errors += 1
+                counters.rejected += 1
+                resp = error_response(err)
+            resp.headers[REQUEST_ID_HEADER] = rid
+            return resp
         headers = _forward_headers(request)
-        return await self.forward(request, plan, path, raw, headers, parsed.stream, tail)
+        headers[REQUEST_ID_HEADER] = rid
+        obs = self.observer
+        rec = obs.planned(rid, plan, path, request.headers, arrival, t5 - t0)
+        try:
+            return await self.forward(request, plan, path, raw, headers, parsed.stream, tail, rec)
+        finally:
+            obs.finish(rec)
 
     # ---- forwarding --------------------------------------------------------------------------
 
@@ -360,9 +382,11 @@ class Proxy:
         headers: dict[str, str],
         stream: bool,
         tail: _Tail | None = None,
+        rec: DecisionRecord | None = None,
     ) -> web.StreamResponse:
         """Try the plan's backends in order (see the module docstring); always returns a response.
-        ``tail``: the request's deferred tokenization, if any."""
+        ``tail``: the request's deferred tokenization, if any; ``rec``: its decision record (attempts,
+        first byte, status and cached tokens are written into it)."""
         core = self.core
         counters = core.counters
         attempts = plan.order[: 1 + core.config.max_retries]
@@ -389,6 +413,8 @@ class Proxy:
                     core.kv.on_routed(idx, tail.chain or plan.chain, now)
                 tail.routed.append(idx)
                 tail.lease = lease
+            if rec is not None:
+                self.observer.attempt(rec, idx, backend.url, n > 0, headers)
             try:
                 up = await self.transport.send(backend.url, "POST", path, body, headers)
                 if tail is not None:
@@ -397,7 +423,7 @@ class Proxy:
                     core.kv.on_routed(idx, plan.chain if tail is None else (tail.chain or plan.chain), now)
             except UpstreamConnectError as exc:
                 lease.release()
-                self._eject(backend, str(exc))
+                self._eject(backend, f"{exc} (request {headers.get(REQUEST_ID_HEADER)})")
                 last_error = f"backend {backend.url} unreachable"
                 continue
             except BaseException:
@@ -408,14 +434,18 @@ class Proxy:
                 up.abort()
                 last_error = f"backend {backend.url} answered {up.status}"
                 continue
-            result = await self._relay(request, up, lease, plan, stream, tail)
+            result = await self._relay(request, up, lease, plan, stream, tail, rec)
             if result is not None:
                 return result
             last_error = f"backend {backend.url} failed before its first byte"
         counters.unavailable += 1
-        return error_response(
+        resp = error_response(
             ApiError(503, last_error, etype="service_unavailable"), core.config.retry_after_s
         )
+        if rec is not None:
+            rec.status = 503
+            resp.headers.update(self.observer.response_headers(rec))
+        return resp
 
     def _eject(self, backend: BackendState, why: str) -> None:
         if backend.eject():
@@ -429,6 +459,7 @@ class Proxy:
         plan: Plan,
         stream: bool,
         tail: _Tail | None,
+        rec: DecisionRecord | None = None,
     ) -> web.StreamResponse | None:
         """Relay one upstream response; None when it broke before its first byte (retry)."""
         idx = lease.backend.index
@@ -443,20 +474,34 @@ class Proxy:
                 self._eject(lease.backend, str(exc))
                 return None
             lease.first_byte()
+            extra = None
+            if rec is not None:
+                rec.first_byte = time.perf_counter()
+                extra = self.observer.response_headers(rec)
             if not stream or up.status != 200:
                 resp = await self._relay_buffered(up, first, chunks)
                 done = True
                 if tail is not None:
                     tail.run()
+                cached = None
                 if resp.status == 200 and isinstance(resp.body, bytes):
-                    self._learn(idx, plan, resp.body, tail)
+                    cached = self._learn(idx, plan, resp.body, tail)
+                if rec is not None:
+                    rec.status, rec.complete, rec.cached_real = resp.status, resp.status < 500, cached
+                    resp.headers.update(extra or {})
                 return resp
             out = web.StreamResponse(status=up.status, headers={"Content-Type": up.content_type})
+            if extra:
+                out.headers.update(extra)
             out.enable_chunked_encoding()
             end = await self._relay_stream(request, out, first, chunks, None if tail is None else tail.run)
             done = end is not None
             if end is not None:
-                self._learn(idx, plan, end, tail)
+                cached = self._learn(idx, plan, end, tail)
+                if rec is not None:
+                    rec.complete, rec.cached_real = True, cached
+            if rec is not None and out.prepared:
+                rec.status = out.status
             return out
         finally:
             lease.release()
@@ -532,12 +577,14 @@ class Proxy:
         counters.ok += 1
         return tail
 
-    def _learn(self, idx: int, plan: Plan, end: bytes, tail: _Tail | None) -> None:
-        """Correct the approximate KV view from the ``cached_tokens`` in the response's ``end``."""
+    def _learn(self, idx: int, plan: Plan, end: bytes, tail: _Tail | None) -> int | None:
+        """Correct the approximate KV view from the ``cached_tokens`` in the response's ``end``;
+        returns them (None when the response did not report them)."""
         cached = extract_cached_tokens(end)
         if cached is not None:
             chain = tail.chain if tail is not None and tail.chain is not None else plan.chain
             self.core.kv.on_usage(idx, chain, cached, plan.cached_blocks.get(idx, 0), self.core.clock())
+        return cached
 
 
 async def _write(out: web.StreamResponse, request: web.Request, data: bytes, prepare: bool = False) -> None:

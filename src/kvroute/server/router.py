@@ -28,6 +28,7 @@ from kvroute.features.settings import FeatureConfig
 from kvroute.policies.base import Policy
 from kvroute.routing.core import Decision, RouteRequest, RoutingCore, with_features
 from kvroute.routing.kvview import KVView
+from kvroute.routing.shadow import ShadowPick, Shadows
 from kvroute.server.backends import ACTIVE, DRAINING, REMOVED, BackendState
 from kvroute.server.chainmemo import ChainMemo, Piece
 from kvroute.server.config import BackendSpec, RouterConfig
@@ -43,16 +44,18 @@ log = logging.getLogger("kvroute.server")
 class QuotaExceeded(ApiError):
     """429: the request's user / API key is over its token quota; retry after ``retry_after`` s."""
 
-    def __init__(self, message: str, retry_after: int) -> None:
+    def __init__(self, message: str, retry_after: int, decision: Decision | None = None) -> None:
         super().__init__(429, message, etype="rate_limit_exceeded")
         self.retry_after = retry_after
+        self.decision = decision  # the core's refusal (reason "quota"), for the decision log
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
     """A routing decision: ``order`` lists backend indices, best first (the retry order);
     ``new_prefill[i]`` is the uncached prompt tokens if sent to backend ``i`` (tokens); ``chain`` the
-    prompt's block hashes; ``cached_blocks[i]`` the predicted cached prefix on backend ``i`` (blocks)."""
+    prompt's block hashes; ``cached_blocks[i]`` the predicted cached prefix on backend ``i`` (blocks);
+    ``shadow``: the shadow policies' choices for the same request (``config.shadow``)."""
 
     order: tuple[int, ...]
     chain: tuple[int, ...]
@@ -60,6 +63,7 @@ class Plan:
     new_prefill: dict[int, int]
     cached_blocks: dict[int, int]
     decision: Decision
+    shadow: tuple[ShadowPick, ...] = ()
 
 
 class RouterCounters:
@@ -120,6 +124,8 @@ class RouterCore:
         self.counters = RouterCounters()
         self.chains = ChainMemo(config.block_size, config.tokenizer_cache_entries)
         self.guard = self.routing.guard  # production features' state, when any is on
+        # shadow policies over the same KV view (read-only there), each with its own state
+        self.shadows = Shadows(config.shadow, self.kv) if config.shadow else None
         self._tags = {i: frozenset(b.tags) for i, b in enumerate(config.backends) if b.tags}
         self.preloads: list[tuple[int, Prefix]] = []  # cold-start preloads for the monitor to send
         self._watch_cleared()
@@ -289,8 +295,10 @@ class RouterCore:
             wait = decision.retry_after_s
             who = "this API key" if rr.quota_key is not None and rr.quota_key != req.user else "this user"
             raise QuotaExceeded(
-                f"token quota exceeded for {who}; retry in {wait:.1f} s", max(1, math.ceil(wait))
+                f"token quota exceeded for {who}; retry in {wait:.1f} s", max(1, math.ceil(wait)), decision
             )
+        shadows = self.shadows
+        picks = shadows.observe(rr, views, now, decision) if shadows is not None else ()
         bs = self.config.block_size
         return Plan(
             order=decision.order,
@@ -304,6 +312,7 @@ class RouterCore:
                 i: c // bs for i, c in zip(decision.instances, decision.cached_tokens, strict=True)
             },
             decision=decision,
+            shadow=picks,
         )
 
     def _request(

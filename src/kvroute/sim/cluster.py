@@ -45,6 +45,7 @@ from kvroute.metrics import LatencyRecorder
 from kvroute.policies.base import Policy
 from kvroute.routing.core import RouteRequest, RoutingCore
 from kvroute.routing.kvview import KVView
+from kvroute.routing.shadow import Shadows
 from kvroute.sim.loop import PRIO_ARRIVAL, PRIO_DELIVERY, EventLoop, SimClock
 from kvroute.views import InstanceView
 from kvroute.workloads.request import Request
@@ -143,7 +144,9 @@ class _Live:
 class ClusterSim:
     """Runs one workload through a cluster. Build, then ``run(workload)``; mutates only itself."""
 
-    def __init__(self, config: SimConfig, policy: Policy, cost: CostModel) -> None:
+    def __init__(
+        self, config: SimConfig, policy: Policy, cost: CostModel, shadow: tuple[str, ...] = ()
+    ) -> None:
         config.check()
         self.config = config
         self.policy = policy
@@ -172,6 +175,8 @@ class ClusterSim:
         self._views: list[InstanceView] = []
         self._oldest_snap = -math.inf
         self._dirty: set[int] = set()
+        self._shadow_names = shadow  # shadow policies (kvroute.routing.shadow), built with the core
+        self.shadows: Shadows | None = None
 
     # -- set-up ---------------------------------------------------------------------------------
     def _build(self, block_size: int) -> None:
@@ -195,6 +200,8 @@ class ClusterSim:
         self.core = sim_router(cfg, self.policy, block_size, blocks)
         self.core.kv.on_cleared = self._cleared
         self.guard = self.core.guard
+        if self._shadow_names:
+            self.shadows = Shadows(self._shadow_names, self.core.kv, random.Random(cfg.seed))
         self._ecfg = ecfg
         for t, n in cfg.scale_out:
             self.loop.schedule(max(t, self.loop.now), PRIO_ARRIVAL, self._join, n)
@@ -235,6 +242,8 @@ class ClusterSim:
             "preemptions": sum(i.engine.stats().preemptions for i in self._insts),
         }
         self._feature_output(out)
+        if self.shadows is not None:
+            out["shadow"] = self.shadows.summary()
         return out
 
     def _feature_output(self, out: dict[str, Any]) -> None:
@@ -362,11 +371,14 @@ class ClusterSim:
             req_class=req.req_class,
             quota_key=req.user,
         )
-        decision = core.route(rr, self._all_views(now), now)
+        views = self._all_views(now)
+        decision = core.route(rr, views, now)
         choice = decision.instance
         if choice is None:  # refused by the token quota
             self.quota_rejected += 1
             return
+        if self.shadows is not None:  # what the shadow policies would have chosen, same views
+            self.shadows.observe(rr, views, now, decision)
         inst = self._insts[choice]
         cached = decision.cached_tokens[choice]  # views are given in instance order
         new_tokens = prompt - cached

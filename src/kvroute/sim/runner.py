@@ -59,6 +59,9 @@ class RunSpec:
     # Opt-in: also return ``out["samples"]`` (TTFT/TPOT quantile points in ms, at most
     # ``SAMPLE_POINTS``) for CDF plots. Not a `kvroute sim` flag; it does not change the run.
     keep_samples: bool = False
+    # Shadow policies (kvroute.routing.shadow): computed at every decision from the same views;
+    # ``out["shadow"]`` = {name: {"decisions", "agreement", "mean_score_diff", "mean_cached_diff"}}.
+    shadow: tuple[str, ...] = ()
 
 
 def load_profile(spec: RunSpec) -> Any:
@@ -103,7 +106,7 @@ def run_spec(spec: RunSpec, progress: Callable[[float, int, int], None] | None =
     stream, stats = open_workload(
         spec.trace, spec.fmt, spec.workload, spec.rate_scale, spec.duration, spec.seed, spec.skip_bad_lines
     )
-    sim = ClusterSim(cfg, policy, profile.cost)
+    sim = ClusterSim(cfg, policy, profile.cost, spec.shadow)
     out = sim.run(stream, progress)
     if spec.keep_samples:
         out["samples"] = {

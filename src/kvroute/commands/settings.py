@@ -615,7 +615,7 @@ def _backend_from(item: Any, where: str) -> BackendSpec:
 
 
 _ROUTER_FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
-_OPTIONAL_STR = ("tokenizer", "admin_token", "discover_kv_events")
+_OPTIONAL_STR = ("tokenizer", "chat_template", "admin_token", "discover_kv_events")
 
 
 def config_from_mapping(data: Mapping[str, Any], where: str = "config") -> RouterConfig:

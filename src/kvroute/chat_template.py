@@ -32,6 +32,7 @@ prompt (:meth:`kvroute.tokenizer.Tokenizer.chat_pieces`).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -103,7 +104,9 @@ def _tojson(
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _raise_exception(message: Any) -> None:
@@ -119,9 +122,9 @@ def _loops_over_content(tree: jinja2.nodes.Template) -> bool:
             it = it.node
         if isinstance(it, jinja2.nodes.Getattr) and it.attr == "content":
             return True
-        if isinstance(it, jinja2.nodes.Getitem) and isinstance(it.arg, jinja2.nodes.Const):
-            if it.arg.value == "content":
-                return True
+        is_item = isinstance(it, jinja2.nodes.Getitem) and isinstance(it.arg, jinja2.nodes.Const)
+        if is_item and getattr(getattr(it, "arg", None), "value", None) == "content":
+            return True
     return False
 
 
@@ -234,9 +237,7 @@ class ChatTemplate:
         """The prompt text of ``messages`` (OpenAI chat messages)."""
         return self.render_conversation(self.conversation(messages), options or ChatOptions())
 
-    def render_checked(
-        self, messages: Sequence[Mapping[str, Any]], options: ChatOptions
-    ) -> tuple[str, bool]:
+    def render_checked(self, messages: Sequence[Mapping[str, Any]], options: ChatOptions) -> tuple[str, bool]:
         """The prompt of ``messages`` and whether the rendering is *prefix-stable* for this
         conversation: rendering its first ``n - 1`` or ``n - 2`` messages (no generation prompt)
         gives a prefix of it, so the earlier turns' text (and tokens) reappear unchanged. Two or
@@ -278,7 +279,7 @@ def _read_text(path: Path) -> str:
 
 def load_chat_template(
     tokenizer_dir: Path | None,
-    template_file: str | Path | None = None,
+    template_file: str | os.PathLike[str] | None = None,
     now: Callable[[], datetime] = datetime.now,
 ) -> ChatTemplate | None:
     """The chat template for a tokenizer folder (see the module docstring), or None when neither

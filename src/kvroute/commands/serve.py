@@ -21,6 +21,7 @@ _SIMPLE = {
     "host": "host",
     "port": "port",
     "tokenizer": "tokenizer",
+    "chat_template": "chat_template",
     "tokenize": "tokenize",
     "block_size": "block_size",
     "max_body_bytes": "max_body_bytes",
@@ -100,6 +101,12 @@ def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> N
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, help="port to listen on (default 8080)")
     p.add_argument("--tokenizer", help="tokenizer.json or folder (default: bundled Qwen3)")
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="Jinja chat template, as the engines render chats (default: the tokenizer folder's "
+        "own, else ChatML)",
+    )
     p.add_argument(
         "--tokenize",
         choices=("defer", "exact"),

@@ -41,6 +41,8 @@ def engine_args(args: argparse.Namespace) -> list[str]:
         out += ["--block-size", str(args.block_size)]
     if args.tokenizer:
         out += ["--tokenizer", args.tokenizer]
+    if args.chat_template:
+        out += ["--chat-template", args.chat_template]
     return out
 
 

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvroute.chat_template import ChatTemplateError, chat_options
 from kvroute.tokenizer import Tokenizer, message_text
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest default
@@ -180,6 +181,26 @@ def parse_messages(raw: Any) -> list[dict[str, str]]:
     return out
 
 
+def chat_prompt_ids(body: Mapping[str, Any], tok: Tokenizer) -> tuple[int, ...]:
+    """Token ids of a chat body's prompt (``messages``, ``tools``, ``documents``,
+    ``add_generation_prompt``, ``chat_template_kwargs``), rendered by the tokenizer's chat template
+    (:mod:`kvroute.chat_template`, the router's renderer) or ChatML; 400 with the template's message
+    when it rejects the conversation."""
+    messages = parse_messages(body.get("messages"))
+    try:
+        options = chat_options(body)
+    except ValueError as exc:
+        raise bad(str(exc)) from None
+    try:
+        if tok.template is not None:  # the template sees the messages as sent (tool calls, parts)
+            return tuple(tok.encode_chat(body["messages"], options=options))
+        return tuple(tok.encode_chat(messages, options=options))
+    except ChatTemplateError as exc:
+        raise bad(exc.message, "messages") from None
+    except (TypeError, ValueError) as exc:
+        raise bad(f"messages: {exc}", "messages") from None
+
+
 def parse_chat(
     body: Any, tok: Tokenizer, served: str, max_model_len: int, default_max_tokens: int
 ) -> GenerateRequest:
@@ -188,11 +209,10 @@ def parse_chat(
     if not isinstance(body, dict):
         raise bad("request body must be a JSON object")
     model = check_model(body, served)
-    messages = parse_messages(body.get("messages"))
     stream, include_usage = _common(body)
     for name in ("add_generation_prompt", "continue_final_message"):
         _opt_bool(body, name)
-    ids = tuple(tok.encode_chat(messages, add_generation_prompt=body.get("add_generation_prompt", True)))
+    ids = chat_prompt_ids(body, tok)
     if not ids:
         raise bad("the rendered prompt is empty", "messages")
     max_tokens = _max_tokens(body, max(1, min(default_max_tokens, max_model_len - len(ids))))

@@ -35,12 +35,12 @@ from kvroute.emulator.protocol import (
     ApiError,
     GenerateRequest,
     bad,
+    chat_prompt_ids,
     check_model,
     chunk,
     full_response,
     parse_chat,
     parse_completion,
-    parse_messages,
     usage,
     usage_chunk,
 )
@@ -198,11 +198,7 @@ class EmulatorServer:
             check_model(body, self.settings.model_name)
             tok = self.tokenizer
             if "messages" in body:
-                msgs = parse_messages(body.get("messages"))
-                gen = body.get("add_generation_prompt", True)
-                if not isinstance(gen, bool):
-                    raise bad("'add_generation_prompt' must be a boolean", "add_generation_prompt")
-                ids = tok.encode_chat(msgs, add_generation_prompt=gen)
+                ids = list(chat_prompt_ids(body, tok))
             else:
                 prompt = body.get("prompt")
                 if not isinstance(prompt, str):

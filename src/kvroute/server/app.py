@@ -87,7 +87,7 @@ class RouterServer:
         self.transport: Transport = transport or H1Transport(
             connect_timeout_s=config.connect_timeout_s, read_timeout_s=config.upstream_timeout_s
         )
-        tok = tokenizer or load_tokenizer(config.tokenizer)
+        tok = tokenizer or load_tokenizer(config.tokenizer, chat_template=config.chat_template)
         self.core = RouterCore(
             config,
             RequestTokenizer(tok, config.tokenizer_cache_entries),

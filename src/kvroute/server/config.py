@@ -13,6 +13,7 @@ The command-line flags and the YAML file that build it are read by :mod:`kvroute
     host: 127.0.0.1
     port: 8080
     tokenizer: null                           # path to a tokenizer.json (default: bundled Qwen3)
+    chat_template: null                       # Jinja file (default: the tokenizer folder's, else ChatML)
     tokenize: exact                           # or defer: see RouterConfig.tokenize
     block_size: 16
     max_body_bytes: 33554432
@@ -85,6 +86,8 @@ class RouterConfig:
     - ``kv_recovery_s``: after an unrecovered event gap the backend's exact view is cleared and the
       approximate view is used (merged with new events) for this long.
     - ``tokenizer_cache_entries``: per-message token cache size (messages).
+    - ``chat_template``: a Jinja chat template file (see :mod:`kvroute.chat_template`); by default
+      the tokenizer folder's own template, else ChatML.
     - ``tokenize``: ``"exact"`` (default) tokenizes the whole prompt before routing. ``"defer"``
       routes a request with much text the router has not tokenized before (``proxy.DEFER_CHARS``
       characters or more after its cached leading messages/segments) on the token blocks it knows
@@ -127,6 +130,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     tokenizer: str | None = None
+    chat_template: str | None = None
     block_size: int = 16
     max_body_bytes: int = 32 * 1024 * 1024
     scrape_interval_s: float = 0.05

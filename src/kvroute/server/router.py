@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvroute.blocks import hash_blocks
+from kvroute.chat_template import ChatTemplateError
 from kvroute.features.classes import CLASS_HEADER, resolve_class
 from kvroute.features.coldstart import Prefix
 from kvroute.features.settings import FeatureConfig
@@ -231,9 +232,11 @@ class RouterCore:
         try:
             if req.chat:
                 assert req.messages is not None
-                return self.tokenizer.split_chat(req.messages)
+                return self.tokenizer.split_chat(req.messages, options=req.chat_options)
             assert req.prompt is not None
             return self.tokenizer.split_prompt(req.prompt)
+        except ChatTemplateError as exc:  # the template's own message (raise_exception)
+            raise ApiError(400, exc.message, "messages") from None
         except (TypeError, ValueError, KeyError) as exc:
             raise ApiError(400, f"cannot tokenize the request: {exc}") from None
 

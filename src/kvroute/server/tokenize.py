@@ -3,6 +3,9 @@
 Chat requests are tokenized message by message (``Tokenizer.message_tokens`` is a pure function of
 ``(role, content)`` for ChatML tokenizers), so the earlier turns of a conversation hit the cache and
 only the new message is tokenized. The cache is a bounded LRU owned by one router (no global state).
+With a model's chat template the pieces are the template's prompt cut where it is prefix-stable and
+token-safe (``Tokenizer.chat_pieces``), cached under their text; a conversation the template renders
+with no such cut is one uncached piece (the whole prompt tokenized, exact either way).
 
 Long completion prompts are tokenized in *segments* of about ``SEGMENT_CHARS`` characters, each cached
 under its text. A segment ends at the first *safe split* at or after ``start + SEGMENT_CHARS``: a
@@ -28,12 +31,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvroute.chat_template import ChatOptions
 from kvroute.server.chainmemo import Piece
 from kvroute.tokenizer import Tokenizer, message_text, render_message
 
 __all__ = ["SEGMENT_CHARS", "Pending", "RequestTokenizer", "split_points"]
 
 SEGMENT_CHARS = 512
+TEMPLATE_ROLE = "\x00template"
+"""The first half of a template piece's cache key (``(TEMPLATE_ROLE, text)``): no chat role or
+completion segment key (role ``""``) has it."""
 
 
 def split_points(text: str, every: int = SEGMENT_CHARS) -> list[int]:
@@ -102,10 +109,25 @@ class RequestTokenizer:
     # ---- two-step interface ------------------------------------------------------------------
 
     def split_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        options: ChatOptions | None = None,
     ) -> Pending:
-        """Split a chat (validated mappings with a string role). Raises TypeError for malformed content."""
+        """Split a chat (validated mappings with a string role; ``options``: tools, documents,
+        template kwargs, whose ``add_generation_prompt`` wins). Raises TypeError/ValueError for
+        malformed content, ``ChatTemplateError`` when the template rejects the conversation."""
         tok = self.tokenizer
+        if options is not None:
+            add_generation_prompt = options.add_generation_prompt
+        else:
+            options = ChatOptions(add_generation_prompt=add_generation_prompt)
+        if tok.template is not None:
+            pieces = tok.chat_pieces(messages, options)
+            if len(pieces) > 1 and self._max:
+                return self._split([(TEMPLATE_ROLE, p) for p in pieces], pieces, ())
+            text = "".join(pieces)  # not prefix-stable anywhere: the whole prompt, uncached
+            return Pending([], [], [None], [text], (), len(text))
         if not tok.per_message_exact:  # the whole rendering is one uncached piece
             text = tok.render_chat(messages, add_generation_prompt)
             return Pending([], [], [None], [text], (), len(text))
@@ -204,10 +226,15 @@ class RequestTokenizer:
 
     # ---- one-step interface ------------------------------------------------------------------
 
-    def chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the ChatML rendering of ``messages`` (validated mappings with a string role).
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        options: ChatOptions | None = None,
+    ) -> list[int]:
+        """Token ids of the rendering of ``messages`` (validated mappings with a string role).
         Raises TypeError for malformed content."""
-        return self.finish(self.split_chat(messages, add_generation_prompt))
+        return self.finish(self.split_chat(messages, add_generation_prompt, options))
 
     def prompt(self, prompt: str | Sequence[int]) -> Sequence[int]:
         """Token ids of a completion prompt (a string, segment by segment through the cache; token ids

@@ -12,6 +12,8 @@ from typing import Any
 
 import orjson
 
+from kvroute.chat_template import ChatOptions, chat_options
+
 __all__ = ["ApiError", "ParsedRequest", "error_body", "parse_request"]
 
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error"}
@@ -38,7 +40,8 @@ def error_body(err: ApiError) -> bytes:
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
     """What routing needs from a validated body. ``prompt``: str or token ids (completions);
-    ``messages``: the chat messages (chat); ``max_tokens``: 0 when absent."""
+    ``messages``: the chat messages (chat); ``max_tokens``: 0 when absent; ``chat_options``: what
+    the chat template sees besides the messages (tools, documents, template kwargs)."""
 
     chat: bool
     stream: bool
@@ -48,6 +51,7 @@ class ParsedRequest:
     prompt: str | Sequence[int] | None = None
     messages: Sequence[Mapping[str, Any]] | None = None
     cache_salt: str | None = None
+    chat_options: ChatOptions | None = None
 
 
 def _opt_int(body: Mapping[str, Any], key: str) -> int | None:
@@ -126,8 +130,19 @@ def parse_request(raw: bytes, chat: bool) -> ParsedRequest:
     if chat:
         if "messages" not in body:
             raise ApiError(400, "'messages' is required", "messages")
+        try:
+            options = chat_options(body)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
         return ParsedRequest(
-            True, stream, model, max_tokens or 0, user, messages=_messages(body["messages"]), cache_salt=salt
+            True,
+            stream,
+            model,
+            max_tokens or 0,
+            user,
+            messages=_messages(body["messages"]),
+            cache_salt=salt,
+            chat_options=options,
         )
     if "prompt" not in body:
         raise ApiError(400, "'prompt' is required", "prompt")

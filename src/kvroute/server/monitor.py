@@ -102,7 +102,7 @@ class Monitor:
                 backend.scraped = parsed
                 if engine is None and seen is not None:
                     self.engines[backend.index] = seen
-                    log.warning("backend %s: %s metrics", backend.url, seen)
+                    log.info("backend %s: %s metrics", backend.url, seen)
 
     async def read_models(self, backend: BackendState) -> bool:
         """Read ``backend``'s ``/v1/models`` into the model pools (not when its config declares its
@@ -128,7 +128,7 @@ class Monitor:
             return False
         self.model_reads += 1
         if core.pools.listed(backend.index, served):
-            log.warning("backend %s serves %s", backend.url, ", ".join(sorted(served.models)) or "no model")
+            log.info("backend %s serves %s", backend.url, ", ".join(sorted(served.models)) or "no model")
         return True
 
     async def models_loop(self) -> None:

@@ -154,7 +154,7 @@ def test_vllm_map_layout_with_extra_fields_and_bytes_hashes():
     ts, events, rank = decode_batch(msgspec.msgpack.encode(batch))
     assert (ts, rank) == (10.0, 1)
     assert events == [
-        BlockStored((int.from_bytes(digest, "big"),), None, (5,) * 16, 16),
+        BlockStored((int.from_bytes(digest, "big"),), None, (5,) * 16, 16, lora_id=3, lora_name="adapter"),
         BlockRemoved((7,)),
     ]
 

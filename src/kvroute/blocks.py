@@ -39,7 +39,14 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "ROOT_HASH", "BlockHasher", "extend_hashes", "hash_blocks"]
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "ROOT_HASH",
+    "BlockHasher",
+    "extend_hashes",
+    "extra_key",
+    "hash_blocks",
+]
 
 DEFAULT_BLOCK_SIZE = 16
 """Tokens per KV block (vLLM's default)."""
@@ -67,6 +74,21 @@ _NP_C2 = _U64(_C2)
 _NP_MASK63 = _U64(_MASK63)
 
 TokenIds = Sequence[int] | npt.NDArray[np.integer]
+
+
+def extra_key(lora_name: str | None = None, cache_salt: str | None = None) -> str | bytes | None:
+    """The extra key of a request's blocks: its LoRA adapter (as vLLM hashes ``lora_name`` into every
+    block's extra keys, so the same tokens under two adapters, or under an adapter and the base model,
+    are different cache entries) and its ``cache_salt``. Without an adapter it is the salt itself (or
+    None); with one, a byte string tagged with NUL characters (which no salt without one can equal). A ``BlockStored`` event
+    carrying ``lora_name`` is re-hashed with ``extra_key(lora_name)``, the key of an unsalted request
+    for that adapter."""
+    if lora_name is None:
+        return cache_salt
+    key = b"\x00lora\x00" + lora_name.encode("utf-8")
+    if cache_salt is not None:
+        key += b"\x00salt\x00" + cache_salt.encode("utf-8")
+    return key
 
 
 def _position_keys(block_size: int, extra_key: str | bytes | None) -> npt.NDArray[np.uint64]:

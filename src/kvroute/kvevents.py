@@ -14,7 +14,18 @@ and ``payload`` one msgpack ``EventBatch``. The batch is positional, ``[ts, [eve
 Block hashes are ints (signed or unsigned 64-bit) or, with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``,
 digest bytes; :func:`decode_batch` maps bytes to ``int.from_bytes(b, "big")``. Events are decoded
 whatever their ``medium`` (GPU or an offload tier); unknown extra fields are ignored; an unknown event
-tag is a decode error.
+tag is a decode error. ``lora_id`` and ``lora_name`` (the LoRA adapter of the request that cached the
+blocks; vLLM hashes the name into the blocks' extra keys) are decoded into :class:`BlockStored`.
+
+**SGLang** (``sglang/srt/disaggregation/kv_events.py``, ``mem_cache``'s event mixin) publishes the
+same framing, replay protocol and event tags, with these differences, all decoded here: the batch is
+``[ts, [events...]]`` (no rank); events are always positional; ``BlockStored`` is
+``["BlockStored", [hash], parent, token_ids, block_size, lora_id]`` (newer: ``medium`` after it, no
+``lora_name``), **one event per page** of ``page_size`` tokens (SGLang's default page size is 1
+token; the last page of a radix node may be shorter), chained through ``parent_block_hash``;
+``BlockRemoved`` is ``["BlockRemoved", [hash]]`` (newer: ``medium``), one per page. The router
+re-blocks pages into its own blocks (:class:`kvroute.routing.kvview.KVView`). ``fmt="sglang"`` in
+:func:`encode_batch` writes that layout (the emulated engine's ``--flavor sglang``).
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from kvroute.engine.types import AllBlocksCleared, BlockRemoved, BlockStored, KV
 
 __all__ = [
     "END_SEQ",
+    "EVENT_FORMATS",
     "MEDIUM_GPU",
     "KVEventDecodeError",
     "decode_batch",
@@ -36,7 +48,8 @@ __all__ = [
     "encode_seq",
 ]
 
-EventFormat = Literal["array", "map"]
+EventFormat = Literal["array", "map", "sglang"]
+EVENT_FORMATS = ("array", "map", "sglang")
 MEDIUM_GPU = "GPU"
 # sent by the replay socket after the last buffered batch: sequence number -1
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -101,6 +114,61 @@ class _MapAllBlocksCleared(_MapEvent, tag="AllBlocksCleared"):
     pass
 
 
+class _SglBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Any]
+
+
+class _SglBlockStored(_ArrayEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class _SglBlockRemoved(_ArrayEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+_MASK63 = (1 << 63) - 1
+_PAGE_MUL = 0x9E3779B97F4A7C15
+
+
+def page_hashes(block_hash: int, pages: int) -> list[int]:
+    """Hashes of the ``pages`` pages of one block in SGLang layout: the last page carries the block's
+    own hash (so a child block's parent is its parent block's hash), the others a hash derived from
+    it. Emulation only: a real SGLang hashes each page itself."""
+    return [((block_hash * _PAGE_MUL + j + 1) & _MASK63) for j in range(pages - 1)] + [block_hash]
+
+
+def _to_sglang(event: KVEvent, pages: int) -> list[msgspec.Struct]:
+    """One event per page (``pages`` pages per block), as SGLang's radix cache publishes them."""
+    if isinstance(event, BlockStored):
+        out: list[msgspec.Struct] = []
+        parent = event.parent_block_hash
+        bs = event.block_size
+        ps = bs // pages
+        for b, h in enumerate(event.block_hashes):
+            tokens = event.token_ids[b * bs : (b + 1) * bs]
+            for j, ph in enumerate(page_hashes(h, pages)):
+                page = list(tokens[j * ps : (j + 1) * ps])
+                out.append(_SglBlockStored([ph], parent, page, len(page), event.lora_id, MEDIUM_GPU))
+                parent = ph
+        return out
+    if isinstance(event, BlockRemoved):  # leaf first, as SGLang evicts
+        return [
+            _SglBlockRemoved([ph], MEDIUM_GPU)
+            for h in event.block_hashes
+            for ph in reversed(page_hashes(h, pages))
+        ]
+    if isinstance(event, AllBlocksCleared):
+        return [_ArrayAllBlocksCleared()]
+    raise TypeError(f"not a KV event: {event!r}")
+
+
 def _to_wire(event: KVEvent, fmt: EventFormat) -> msgspec.Struct:
     arr = fmt == "array"
     if isinstance(event, BlockStored):
@@ -110,9 +178,9 @@ def _to_wire(event: KVEvent, fmt: EventFormat) -> msgspec.Struct:
             parent_block_hash=event.parent_block_hash,
             token_ids=list(event.token_ids),
             block_size=event.block_size,
-            lora_id=None,
+            lora_id=event.lora_id,
             medium=MEDIUM_GPU,
-            lora_name=None,
+            lora_name=event.lora_name,
         )
     if isinstance(event, BlockRemoved):
         removed = _ArrayBlockRemoved if arr else _MapBlockRemoved
@@ -123,12 +191,23 @@ def _to_wire(event: KVEvent, fmt: EventFormat) -> msgspec.Struct:
 
 
 def encode_batch(
-    ts: float, events: Sequence[KVEvent], dp_rank: int | None = 0, fmt: EventFormat = "array"
+    ts: float,
+    events: Sequence[KVEvent],
+    dp_rank: int | None = 0,
+    fmt: EventFormat = "array",
+    pages_per_block: int = 1,
 ) -> bytes:
     """One msgpack ``EventBatch`` payload. ``ts`` in seconds since the epoch; ``fmt`` picks the event
-    encoding (the batch itself is always positional, as vLLM's ``ZmqEventPublisher`` sends it)."""
-    if fmt not in ("array", "map"):
-        raise ValueError(f"unknown KV event format {fmt!r} (use 'array' or 'map')")
+    encoding (the batch itself is always positional, as vLLM's ``ZmqEventPublisher`` sends it).
+    ``fmt="sglang"``: SGLang's layout (module docstring), each block sent as ``pages_per_block``
+    pages (its block size must be a multiple); ``dp_rank`` is not sent."""
+    if fmt not in EVENT_FORMATS:
+        raise ValueError(f"unknown KV event format {fmt!r} (use one of {', '.join(EVENT_FORMATS)})")
+    if fmt == "sglang":
+        if pages_per_block < 1:
+            raise ValueError(f"pages_per_block must be >= 1, got {pages_per_block}")
+        wire = [w for e in events for w in _to_sglang(e, pages_per_block)]
+        return msgspec.msgpack.encode(_SglBatch(ts=float(ts), events=wire))
     batch = _Batch(ts=float(ts), events=[_to_wire(e, fmt) for e in events], data_parallel_rank=dp_rank)
     return msgspec.msgpack.encode(batch)
 
@@ -148,6 +227,7 @@ def decode_seq(frame: bytes) -> int:
 # ---- decoding (generic msgpack → checked fields → engine dataclasses) --------------------------------
 
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size")
+_STORED_OPTIONAL = ("lora_id", "medium", "lora_name")  # positional order after the required ones
 _REMOVED_FIELDS = ("block_hashes",)
 _INT_ONLY = frozenset({int})
 
@@ -188,6 +268,8 @@ def _decode_event(raw: Any, index: int) -> KVEvent:
         names = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS}.get(tag, ())
         if len(values) < len(names):
             raise KVEventDecodeError(f"event {index}: {tag} needs {len(names)} fields, got {len(values)}")
+        if tag == "BlockStored":
+            names = _STORED_FIELDS + _STORED_OPTIONAL
         fields = dict(zip(names, values, strict=False))
     elif isinstance(raw, dict):
         map_tag = raw.get("type")
@@ -202,11 +284,18 @@ def _decode_event(raw: Any, index: int) -> KVEvent:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise KVEventDecodeError(f"event {index}: block_size must be a positive int")
         parent = fields["parent_block_hash"]
+        lora_id, lora_name = fields.get("lora_id"), fields.get("lora_name")
+        if lora_id is not None and (isinstance(lora_id, bool) or not isinstance(lora_id, int)):
+            raise KVEventDecodeError(f"event {index}: lora_id must be an int or nil")
+        if lora_name is not None and not isinstance(lora_name, str):
+            raise KVEventDecodeError(f"event {index}: lora_name must be a string or nil")
         return BlockStored(
             block_hashes=_hashes(fields["block_hashes"], index),
             parent_block_hash=None if parent is None else _hash(parent, index),
             token_ids=_ints(fields["token_ids"], "token_ids", index),
             block_size=block_size,
+            lora_id=lora_id,
+            lora_name=lora_name,
         )
     if tag == "BlockRemoved":
         _require(fields, _REMOVED_FIELDS, tag, index)

@@ -80,11 +80,33 @@ def test_gpu_memory_sets_kv_capacity():
         ("--gpu-memory-utilization", "1.5"),
         ("--tokenizer", "/nonexistent/tokenizer.json"),
         ("--gpu-memory-gib", "1"),
+        ("--lora-modules", "sql"),
+        ("--lora-modules", "a=/p", "a=/q"),
+        ("--flavor", "sglang", "--lora-modules", "a=/p"),
+        ("--kv-events-page-size", "4"),
+        ("--flavor", "sglang", "--kv-events-page-size", "5"),
     ],
 )
 def test_bad_flags(argv):
     with pytest.raises(UserError):
         build(parse(*argv))
+
+
+def test_flavor_and_lora_flags():
+    settings, _, _ = build(
+        parse(
+            "--flavor",
+            "sglang",
+            "--kv-events-endpoint",
+            "tcp://127.0.0.1:5557",
+            "--kv-events-page-size",
+            "1",
+        )
+    )
+    assert settings.flavor == "sglang" and settings.kv_events is not None
+    assert (settings.kv_events.fmt, settings.kv_events.page_size) == ("sglang", 1)
+    settings, _, _ = build(parse("--model", "base", "--lora-modules", "sql=/a", "chat=/b"))
+    assert settings.lora_modules == ("sql", "chat") and settings.flavor == "vllm"
 
 
 def test_process_serves_openai_client_and_stops_on_sigint():

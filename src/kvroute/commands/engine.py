@@ -18,7 +18,10 @@ if TYPE_CHECKING:
     from kvroute.engine.cost import Profile
     from kvroute.tokenizer import Tokenizer
 
-HELP = "run an emulated vLLM-compatible engine (same engine model as the simulator, on the wall clock)"
+HELP = (
+    "run an emulated vLLM-compatible (or SGLang-flavoured) engine "
+    "(same engine model as the simulator, on the wall clock)"
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,9 +106,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-events-format",
-        choices=["array", "map"],
-        default="array",
-        help="event encoding: array (older vLLM) or map (newer) (default array)",
+        choices=["array", "map", "sglang"],
+        default=None,
+        help="event encoding: array (older vLLM), map (newer) or sglang "
+        "(default: array, or sglang with --flavor sglang)",
+    )
+    p.add_argument(
+        "--kv-events-page-size",
+        type=int,
+        default=None,
+        help="with SGLang's event encoding: tokens per page, one event each; divides --block-size "
+        "(default: the block size; SGLang's own default page size is 1)",
+    )
+    p.add_argument(
+        "--flavor",
+        choices=["vllm", "sglang"],
+        default="vllm",
+        help="present the engine as vLLM or as SGLang (metric names, KV event layout) (default vllm)",
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters served as models besides --model, as vLLM's flag (only NAME matters here)",
     )
     p.add_argument("--kv-events-topic", default="", help="ZMQ topic (default empty)")
     p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ ROUTER endpoint for replay")
@@ -126,6 +150,7 @@ def build(args: argparse.Namespace) -> tuple[EmulatorSettings, Profile, Tokenize
     from kvroute.emulator.server import EmulatorSettings, KVEventsSettings
     from kvroute.engine import cost as costmod
     from kvroute.engine.types import EngineConfig
+    from kvroute.kvevents import EventFormat
     from kvroute.tokenizer import load_tokenizer
 
     for name in (
@@ -175,17 +200,53 @@ def build(args: argparse.Namespace) -> tuple[EmulatorSettings, Profile, Tokenize
         max_model_len=max_len,
         report_tokens=True,
     )
+    fmt: EventFormat = args.kv_events_format or ("sglang" if args.flavor == "sglang" else "array")
+    page = args.kv_events_page_size
+    if page is not None:
+        if fmt != "sglang":
+            raise UserError("--kv-events-page-size needs SGLang's event encoding (--flavor sglang)")
+        if page < 1 or args.block_size % page:
+            raise UserError(f"--kv-events-page-size {page} must divide --block-size {args.block_size}")
+    adapters = _lora_names(args.lora_modules, args.model)
+    if adapters and args.flavor == "sglang":
+        raise UserError(
+            "--lora-modules is not emulated with --flavor sglang (its KV events do not name adapters)"
+        )
     kv = None
     if args.kv_events_endpoint:
         kv = KVEventsSettings(
             args.kv_events_endpoint,
-            args.kv_events_format,
+            fmt,
             args.kv_events_topic,
             args.kv_events_replay_endpoint,
             args.kv_events_connect,
+            page or 0,
         )
-    settings = EmulatorSettings(args.model, engine, args.time_scale, args.default_max_tokens, kv)
+    settings = EmulatorSettings(
+        args.model,
+        engine,
+        args.time_scale,
+        args.default_max_tokens,
+        kv,
+        lora_modules=adapters,
+        flavor=args.flavor,
+    )
     return settings, profile, load_tokenizer(args.tokenizer, chat_template=args.chat_template)
+
+
+def _lora_names(items: list[str], base: str) -> tuple[str, ...]:
+    """Adapter names from ``NAME=PATH`` items (vLLM's ``--lora-modules``; a JSON object form is not
+    taken); UserError for a malformed or repeated one."""
+    names: list[str] = []
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise UserError(f"--lora-modules {item!r} must look like NAME=PATH")
+        name = name.strip()
+        if name in names or name == base:
+            raise UserError(f"--lora-modules: the name {name!r} is already served")
+        names.append(name)
+    return tuple(names)
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -207,10 +268,11 @@ async def _serve(args: argparse.Namespace) -> None:
     print(
         f"kvroute engine: http://{args.host}:{port}/v1 model={settings.model_name} profile={profile.name} "
         f"kv_blocks={e.num_kv_blocks}x{e.block_size} max_model_len={e.max_model_len} "
-        f"time_scale={settings.time_scale}"
+        f"time_scale={settings.time_scale} flavor={settings.flavor}"
+        + (f" lora={','.join(settings.lora_modules)}" if settings.lora_modules else "")
         + (
-            f" kv_events={args.kv_events_endpoint} ({args.kv_events_format})"
-            if args.kv_events_endpoint
+            f" kv_events={args.kv_events_endpoint} ({settings.kv_events.fmt})"
+            if settings.kv_events is not None
             else ""
         ),
         file=sys.stderr,

@@ -610,10 +610,16 @@ def _backend_from(item: Any, where: str) -> BackendSpec:
         for name, val in (("kv_events", kv), ("kv_replay", rep)):
             if val is not None and not (isinstance(val, str) and val.startswith(("tcp://", "ipc://"))):
                 raise UserError(f"{where}: {name} must be a tcp:// or ipc:// endpoint")
-        tags = item.get("tags", [])
-        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-            raise UserError(f"{where}: a backend's tags must be a list of strings")
-        return BackendSpec(parse_backend_url(url), kv, rep, tuple(tags))
+        lists = {}
+        for name in ("tags", "models", "lora_adapters"):
+            val = item.get(name, [])
+            if not isinstance(val, list) or not all(isinstance(t, str) and t for t in val):
+                raise UserError(f"{where}: a backend's {name} must be a list of strings")
+            lists[name] = tuple(val)
+        engine = item.get("engine")
+        if engine is not None and engine not in ("vllm", "sglang"):
+            raise UserError(f"{where}: a backend's engine must be vllm or sglang, not {engine!r}")
+        return BackendSpec(parse_backend_url(url), kv, rep, engine=engine, **lists)
     raise UserError(f"{where}: a backend is a URL string or a mapping with 'url'")
 
 

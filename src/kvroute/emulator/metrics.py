@@ -1,9 +1,16 @@
-"""Prometheus metrics with vLLM's names, in a registry owned by one emulated engine.
+"""Prometheus metrics with vLLM's names (or SGLang's), in a registry owned by one emulated engine.
 
 State gauges and prefix-cache counters are read from :meth:`EngineModel.stats` at scrape time;
 latency histograms are observed as outputs arrive. Latencies are in **model seconds** (what the
 emulated GPU took: wall seconds × time scale), so a scrape at any ``--time-scale`` reads like a real
 engine's. Every series carries the label ``model_name``.
+
+``flavor="sglang"`` serves SGLang's names instead (``sglang/srt/metrics/collector.py``):
+``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage``,
+``sglang:num_used_tokens``, ``sglang:max_total_num_tokens``, ``sglang:cache_hit_rate``, the histograms
+``sglang:time_to_first_token_seconds``, ``sglang:inter_token_latency_seconds``,
+``sglang:e2e_request_latency_seconds`` and the counters ``sglang:prompt_tokens_total``,
+``sglang:generation_tokens_total``.
 """
 
 from __future__ import annotations
@@ -91,6 +98,33 @@ E2E_BUCKETS = (
 )
 
 
+class _SglangStatsCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str, block_size: int) -> None:
+        self._stats = stats
+        self._model = model_name
+        self._bs = block_size
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self._model], value)
+            return g
+
+        hit = s.prefix_hit_tokens / s.prefix_query_tokens if s.prefix_query_tokens else 0.0
+        yield gauge("sglang:num_running_reqs", "The number of running requests.", s.running)
+        yield gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", s.waiting)
+        yield gauge("sglang:token_usage", "The token usage.", s.kv_usage)
+        yield gauge("sglang:num_used_tokens", "The number of used tokens.", s.used_blocks * self._bs)
+        yield gauge(
+            "sglang:max_total_num_tokens",
+            "Maximum total number of tokens in the KV cache pool.",
+            s.num_kv_blocks * self._bs,
+        )
+        yield gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", hit)
+
+
 class _StatsCollector(Collector):
     def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
         self._stats = stats
@@ -133,10 +167,22 @@ class _StatsCollector(Collector):
 
 
 class EngineMetrics:
-    """One engine's metrics. ``observe_*`` take **model seconds**; mutates only its registry."""
+    """One engine's metrics. ``observe_*`` take **model seconds**; mutates only its registry.
+    ``flavor``: ``"vllm"`` or ``"sglang"`` (whose names to serve); ``block_size``: tokens per block
+    (SGLang's gauges count tokens)."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        stats: Callable[[], EngineStats],
+        flavor: str = "vllm",
+        block_size: int = 16,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._model = model_name
+        if flavor == "sglang":
+            self._sglang(stats, block_size)
+            return
         self.registry.register(_StatsCollector(stats, model_name))
         lbl = ["model_name"]
         r = self.registry
@@ -154,7 +200,7 @@ class EngineMetrics:
             buckets=ITL_BUCKETS,
             registry=r,
         ).labels(model_name)
-        self._tpot = Histogram(
+        self._tpot: Histogram | None = Histogram(
             "vllm:time_per_output_token_seconds",
             "Histogram of time per output token in seconds (older name of the inter-token latency).",
             lbl,
@@ -174,13 +220,45 @@ class EngineMetrics:
         self._gen = Counter(
             "vllm:generation_tokens", "Number of generation tokens processed.", lbl, registry=r
         ).labels(model_name)
-        self._success = Counter(
+        self._success: Counter | None = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
             ["model_name", "finished_reason"],
             registry=r,
         )
-        self._model = model_name
+
+    def _sglang(self, stats: Callable[[], EngineStats], block_size: int) -> None:
+        r, lbl, name = self.registry, ["model_name"], self._model
+        r.register(_SglangStatsCollector(stats, name, block_size))
+        self._ttft = Histogram(
+            "sglang:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            lbl,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        ).labels(name)
+        self._itl = Histogram(
+            "sglang:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            lbl,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        ).labels(name)
+        self._tpot = None
+        self._e2e = Histogram(
+            "sglang:e2e_request_latency_seconds",
+            "Histogram of End-to-end request latency in seconds",
+            lbl,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        ).labels(name)
+        self._prompt = Counter(
+            "sglang:prompt_tokens", "Number of prefill tokens processed.", lbl, registry=r
+        ).labels(name)
+        self._gen = Counter(
+            "sglang:generation_tokens", "Number of generation tokens processed.", lbl, registry=r
+        ).labels(name)
+        self._success = None
 
     def observe_first_token(self, ttft_s: float, prompt_tokens: int) -> None:
         self._ttft.observe(ttft_s)
@@ -191,12 +269,14 @@ class EngineMetrics:
         """``count`` more output tokens, ``gap_s`` model seconds apart on average."""
         for _ in range(count):
             self._itl.observe(gap_s)
-            self._tpot.observe(gap_s)
+            if self._tpot is not None:
+                self._tpot.observe(gap_s)
         self._gen.inc(count)
 
     def observe_finished(self, e2e_s: float, reason: str = "length") -> None:
         self._e2e.observe(e2e_s)
-        self._success.labels(self._model, reason).inc()
+        if self._success is not None:
+            self._success.labels(self._model, reason).inc()
 
     def render(self, names: Sequence[str] = ()) -> bytes:
         """The Prometheus text exposition of every metric, or only of the samples named in ``names``

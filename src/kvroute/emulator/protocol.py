@@ -6,7 +6,7 @@ Errors follow vLLM's ``ErrorResponse``: ``{"error": {"message", "type", "param",
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -91,14 +91,16 @@ def _opt_number(body: Mapping[str, Any], name: str, minimum: float) -> float | N
     return float(v)
 
 
-def check_model(body: Mapping[str, Any], served: str) -> str:
-    """The served model name; 404 for another name (absent means the served one)."""
+def check_model(body: Mapping[str, Any], served: str | Sequence[str]) -> str:
+    """The requested model: one of ``served`` (the base model first, then LoRA adapters); 404 for
+    another name; absent means the base model."""
+    names = (served,) if isinstance(served, str) else tuple(served)
     model = body.get("model")
     if model is None:
-        return served
+        return names[0]
     if not isinstance(model, str):
         raise bad("'model' must be a string", "model")
-    if model != served:
+    if model not in names:
         raise ApiError(404, f"The model `{model}` does not exist.", "model")
     return model
 
@@ -202,7 +204,7 @@ def chat_prompt_ids(body: Mapping[str, Any], tok: Tokenizer) -> tuple[int, ...]:
 
 
 def parse_chat(
-    body: Any, tok: Tokenizer, served: str, max_model_len: int, default_max_tokens: int
+    body: Any, tok: Tokenizer, served: str | Sequence[str], max_model_len: int, default_max_tokens: int
 ) -> GenerateRequest:
     """Validate a ``/v1/chat/completions`` body. ``default_max_tokens`` applies when the request
     sets neither ``max_tokens`` nor ``max_completion_tokens`` (capped by the remaining context)."""
@@ -220,7 +222,9 @@ def parse_chat(
     return GenerateRequest("chat", ids, max_tokens, stream, include_usage, model)
 
 
-def parse_completion(body: Any, tok: Tokenizer, served: str, max_model_len: int) -> GenerateRequest:
+def parse_completion(
+    body: Any, tok: Tokenizer, served: str | Sequence[str], max_model_len: int
+) -> GenerateRequest:
     """Validate a ``/v1/completions`` body: ``prompt`` is text, token ids, or a one-element list of
     either (several prompts in one request are refused)."""
     if not isinstance(body, dict):

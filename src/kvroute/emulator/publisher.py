@@ -2,7 +2,8 @@
 
 Each batch goes out on a PUB socket as the multipart message ``(topic, seq, payload)``: ``topic``
 UTF-8 bytes (empty by default), ``seq`` an 8-byte big-endian counter starting at 0, ``payload`` one
-msgpack ``EventBatch`` (:func:`kvroute.kvevents.encode_batch`, ``fmt`` "array" or "map").
+msgpack ``EventBatch`` (:func:`kvroute.kvevents.encode_batch`, ``fmt`` "array" or "map", or
+"sglang": SGLang's layout, ``pages_per_block`` events per block).
 
 Optional replay (as vLLM): a ROUTER socket on ``replay_endpoint``; a client (REQ, or DEALER sending
 an empty delimiter frame) sends an 8-byte big-endian start sequence number and receives every
@@ -47,6 +48,7 @@ class KVEventPublisher:
         dp_rank: int = 0,
         connect: bool = False,
         hwm: int = 100_000,
+        pages_per_block: int = 1,
     ) -> None:
         self.endpoint = endpoint
         self.fmt: EventFormat = fmt
@@ -55,6 +57,7 @@ class KVEventPublisher:
         self.dp_rank = dp_rank
         self.connect = connect
         self.hwm = hwm
+        self.pages_per_block = pages_per_block  # fmt "sglang": pages sent per block
         self.seq = 0  # next sequence number
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._ctx: zmq.asyncio.Context | None = None
@@ -91,7 +94,9 @@ class KVEventPublisher:
         (default: now). Returns the batch's sequence number, or None when nothing was sent."""
         if not events or self._pub is None:
             return None
-        payload = encode_batch(time.time() if ts is None else ts, events, self.dp_rank, self.fmt)
+        payload = encode_batch(
+            time.time() if ts is None else ts, events, self.dp_rank, self.fmt, self.pages_per_block
+        )
         seq = self.seq
         self.seq += 1
         with contextlib.suppress(zmq.Again):

@@ -5,6 +5,19 @@ Endpoints (as vLLM's OpenAI server has them): ``GET /v1/models``, ``POST /v1/com
 ``stream_options.include_usage``), ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
 ``GET /version``, ``GET /metrics`` (Prometheus text, vLLM's names).
 
+LoRA (``lora_modules``, as vLLM's ``--lora-modules NAME=PATH``; only the names matter here): each
+adapter is listed by ``/v1/models`` as a model whose ``parent`` is the base model and may be
+requested by name; its requests' blocks are hashed with the adapter as extra key (as vLLM does, so
+the same tokens under another adapter or the base model are other cache entries), and their
+``BlockStored`` events carry ``lora_name`` (and ``lora_id``, 1 for the first adapter, as vLLM numbers
+them).
+
+``flavor="sglang"`` presents the engine as SGLang: SGLang's metric names
+(:mod:`kvroute.emulator.metrics`), its KV event layout (``kv_events.fmt == "sglang"``: one event per
+page of ``kv_events.page_size`` tokens, see :mod:`kvroute.kvevents`), ``owned_by: "sglang"`` in
+``/v1/models`` and SGLang's ``GET /get_model_info``. LoRA is not emulated with it (SGLang's KV events
+do not name the adapter).
+
 Generation: a request generates exactly ``max_tokens`` tokens (as with ``ignore_eos``; a real model
 would also stop at EOS, the filler text has none), one per modelled decode step; the tokens are a
 fixed cycle of common English words, decoded by the tokenizer. ``finish_reason`` is ``"length"``.
@@ -28,7 +41,7 @@ import orjson
 from aiohttp import web
 
 import kvroute
-from kvroute.blocks import hash_blocks
+from kvroute.blocks import extra_key, hash_blocks
 from kvroute.emulator.driver import EngineDriver
 from kvroute.emulator.metrics import CONTENT_TYPE, EngineMetrics
 from kvroute.emulator.protocol import (
@@ -46,7 +59,16 @@ from kvroute.emulator.protocol import (
 )
 from kvroute.emulator.publisher import KVEventPublisher
 from kvroute.engine.model import EngineModel
-from kvroute.engine.types import CostModel, EngineConfig, EngineOutput, EngineRequest, OutputKind
+from kvroute.engine.types import (
+    BlockRemoved,
+    BlockStored,
+    CostModel,
+    EngineConfig,
+    EngineOutput,
+    EngineRequest,
+    KVEvent,
+    OutputKind,
+)
 from kvroute.kvevents import EventFormat
 from kvroute.tokenizer import Tokenizer
 
@@ -67,6 +89,7 @@ class KVEventsSettings:
     topic: str = ""
     replay_endpoint: str | None = None
     connect: bool = False
+    page_size: int = 0  # fmt "sglang": tokens per page (0: the block size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +101,8 @@ class EmulatorSettings:
       (vLLM would fill the context and stop at EOS; the filler has no EOS). Completions default to 16
       as in vLLM.
     - ``engine.max_model_len``: longest prompt + output, in tokens.
+    - ``lora_modules``: names of the LoRA adapters served besides ``model_name``.
+    - ``flavor``: ``"vllm"`` or ``"sglang"`` (module docstring).
     """
 
     model_name: str = "kvroute-emulated"
@@ -85,6 +110,8 @@ class EmulatorSettings:
     time_scale: float = 1.0
     default_max_tokens: int = 256
     kv_events: KVEventsSettings | None = None
+    lora_modules: tuple[str, ...] = ()
+    flavor: str = "vllm"
 
 
 def _sse(obj: Any) -> bytes:
@@ -103,24 +130,41 @@ class EmulatorServer:
         self.settings = settings
         self.engine_config = engine
         self.tokenizer = tokenizer
+        if settings.flavor not in ("vllm", "sglang"):
+            raise ValueError(f"flavor must be vllm or sglang, not {settings.flavor!r}")
+        if settings.flavor == "sglang" and settings.lora_modules:
+            raise ValueError("LoRA adapters are not emulated with flavor sglang")
         self.model = EngineModel(engine, cost)
-        self.metrics = EngineMetrics(settings.model_name, self.model.stats)
+        self.metrics = EngineMetrics(
+            settings.model_name, self.model.stats, settings.flavor, engine.block_size
+        )
+        self.served = (settings.model_name, *settings.lora_modules)  # base model first
+        self._lora_ids = {name: i + 1 for i, name in enumerate(settings.lora_modules)}
+        self._adapter_blocks: dict[int, str] = {}  # block hash -> adapter of the request that hashed it
         self.publisher: KVEventPublisher | None = None
         if settings.kv_events is not None:
             kv = settings.kv_events
+            pages = 1
+            if kv.fmt == "sglang" and kv.page_size:
+                if engine.block_size % kv.page_size:
+                    raise ValueError(
+                        f"page size {kv.page_size} must divide the block size {engine.block_size}"
+                    )
+                pages = engine.block_size // kv.page_size
             self.publisher = KVEventPublisher(
                 kv.endpoint,
                 fmt=kv.fmt,
                 topic=kv.topic,
                 replay_endpoint=kv.replay_endpoint,
                 connect=kv.connect,
+                pages_per_block=pages,
             )
         pub = self.publisher
         self.driver = EngineDriver(
             self.model,
             settings.time_scale,
             metrics=self.metrics,
-            publish=(lambda events: pub.publish(events)) if pub is not None else None,
+            publish=(lambda events: pub.publish(self._tag(events))) if pub is not None else None,
         )
         self._filler = [tokenizer.encode(" " + w)[0] for w in FILLER_WORDS]
         self._filler_text = [tokenizer.decode([t]) for t in self._filler]
@@ -140,6 +184,8 @@ class EmulatorServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics_endpoint)
+        if self.settings.flavor == "sglang":
+            app.router.add_get("/get_model_info", self.model_info)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
@@ -178,24 +224,49 @@ class EmulatorServer:
 
     async def models(self, request: web.Request) -> web.Response:
         name = self.settings.model_name
-        card = {
-            "id": name,
-            "object": "model",
-            "created": self._created,
-            "owned_by": "vllm",
-            "root": name,
-            "parent": None,
-            "max_model_len": self.engine_config.max_model_len,
-            "permission": [],
-        }
-        return web.json_response({"object": "list", "data": [card]})
+        cards: list[dict[str, Any]] = [
+            {
+                "id": mid,
+                "object": "model",
+                "created": self._created,
+                "owned_by": self.settings.flavor,
+                "root": mid if mid == name else f"/adapters/{mid}",
+                "parent": None if mid == name else name,
+                "max_model_len": self.engine_config.max_model_len,
+                "permission": [],
+            }
+            for mid in self.served
+        ]
+        return web.json_response({"object": "list", "data": cards})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        """SGLang's ``GET /get_model_info``."""
+        name = self.settings.model_name
+        return web.json_response({"model_path": name, "tokenizer_path": name, "is_generation": True})
+
+    def _tag(self, events: list[KVEvent]) -> list[KVEvent]:
+        """Name the adapter in the ``BlockStored`` events of adapter requests' blocks (and forget
+        removed blocks)."""
+        blocks = self._adapter_blocks
+        if not blocks:
+            return events
+        out: list[KVEvent] = []
+        for ev in events:
+            if isinstance(ev, BlockStored) and ev.block_hashes and ev.block_hashes[0] in blocks:
+                name = blocks[ev.block_hashes[0]]
+                ev = replace(ev, lora_id=self._lora_ids[name], lora_name=name)
+            elif isinstance(ev, BlockRemoved):
+                for h in ev.block_hashes:
+                    blocks.pop(h, None)
+            out.append(ev)
+        return out
 
     async def tokenize(self, request: web.Request) -> web.Response:
         try:
             body = await self._json(request)
             if not isinstance(body, dict):
                 raise bad("request body must be a JSON object")
-            check_model(body, self.settings.model_name)
+            check_model(body, self.served)
             tok = self.tokenizer
             if "messages" in body:
                 ids = list(chat_prompt_ids(body, tok))
@@ -221,7 +292,7 @@ class EmulatorServer:
             body = await self._json(request)
             if not isinstance(body, dict):
                 raise bad("request body must be a JSON object")
-            check_model(body, self.settings.model_name)
+            check_model(body, self.served)
             tokens = body.get("tokens")
             if not isinstance(tokens, list) or any(
                 isinstance(t, bool) or not isinstance(t, int) for t in tokens
@@ -239,9 +310,7 @@ class EmulatorServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await self._json(request)
-            req = parse_completion(
-                body, self.tokenizer, self.settings.model_name, self.engine_config.max_model_len
-            )
+            req = parse_completion(body, self.tokenizer, self.served, self.engine_config.max_model_len)
         except ApiError as exc:
             return web.json_response(exc.body(), status=exc.status)
         return await self._generate(request, req, f"cmpl-{uuid.uuid4().hex}")
@@ -252,7 +321,7 @@ class EmulatorServer:
             req = parse_chat(
                 body,
                 self.tokenizer,
-                self.settings.model_name,
+                self.served,
                 self.engine_config.max_model_len,
                 self.settings.default_max_tokens,
             )
@@ -269,7 +338,12 @@ class EmulatorServer:
 
     def _engine_request(self, rid: str, req: GenerateRequest) -> EngineRequest:
         bs = self.engine_config.block_size
-        hashes = hash_blocks(req.prompt_ids, bs) if self.engine_config.enable_prefix_caching else []
+        adapter = req.model if req.model in self._lora_ids else None
+        hashes: list[int] = []
+        if self.engine_config.enable_prefix_caching:
+            hashes = hash_blocks(req.prompt_ids, bs, extra_key(adapter))
+            if adapter is not None:
+                self._adapter_blocks.update(dict.fromkeys(hashes, adapter))
         return EngineRequest(rid, len(req.prompt_ids), req.max_tokens, tuple(hashes), req.prompt_ids)
 
     def _filler_ids(self, start: int, stop: int) -> list[int]:

@@ -76,12 +76,16 @@ class EngineOutput:
 @dataclass(frozen=True, slots=True)
 class BlockStored:
     """Full blocks newly cached (vLLM's ``BlockStored``); ``token_ids`` covers all of them (may be
-    empty when the engine does not know the tokens)."""
+    empty when the engine does not know the tokens). ``lora_name``: the LoRA adapter whose request
+    cached them (vLLM puts it in the block hash's extra keys; None: the base model); ``lora_id``:
+    the engine's integer id of that adapter (older vLLM sends only this one)."""
 
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None
     token_ids: tuple[int, ...]
     block_size: int
+    lora_id: int | None = None
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

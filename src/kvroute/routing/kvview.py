@@ -12,6 +12,14 @@ the same methods, so the simulator simulates what the router sees.
   ``BlockStored`` blocks are re-hashed from their ``token_ids`` with the router's own chain
   (:func:`kvroute.blocks.hash_blocks` after the parent's router hash); a per-backend map engine hash →
   router hash serves ``BlockRemoved`` and later parents. Blocks whose parent is unknown are skipped.
+  A block cached for a LoRA adapter (``BlockStored.lora_name``) is re-hashed with that adapter as
+  extra key (:func:`kvroute.blocks.extra_key`), as the router hashes a request for the adapter, so
+  adapter blocks never match base-model requests; a block with a ``lora_id`` but no name (older
+  engines) is skipped (its name is unknown). Events whose blocks are not the router's blocks (SGLang
+  sends one event per *page*, 1 token by default; an engine may use a larger block size) are
+  **re-blocked**: each engine block keeps the router hash of the last full router block before its
+  end and the tokens after it, and stores the router blocks it completes; its ``BlockRemoved``
+  removes those (engines evict a prefix's last blocks first, so the blocks before stay cached).
   With ``rehash=False`` the engine's block hashes *are* the router's (the simulator's engines hash
   with the workload's block ids, as traces carry them) and are stored as they are.
 - **Recovering**: after a sequence gap that replay could not fill, the backend's exact entries are
@@ -29,13 +37,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from kvroute.blocks import hash_blocks
+from kvroute.blocks import extra_key, hash_blocks
 from kvroute.engine.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvroute.index import ApproxPrefixIndex, PrefixIndex
 
 __all__ = ["KVView"]
 
 _SHRINK = 0.9
+
+
+_Page = tuple[int | None, tuple[int, ...], tuple[int, ...]]
 
 
 class KVView:
@@ -70,6 +81,9 @@ class KVView:
         self.exact = PrefixIndex()
         self._exact_set = frozenset(exact_backends)
         self._hash_maps: dict[int, dict[int, int]] = {i: {} for i in self._exact_set}
+        # re-blocked engine blocks: engine hash -> (router hash of the last full block before its end
+        # or None, the tokens after that block, the router blocks it completed)
+        self._pages: dict[int, dict[int, _Page]] = {}
         self._recover_until: dict[int, float] = {}
         self._removed: set[int] = set()  # backends gone for good (indices are never reused)
         self._last_now = float("-inf")
@@ -110,6 +124,7 @@ class KVView:
         self.approx.clear(backend)
         self._exact_set = self._exact_set - {backend}
         self._hash_maps.pop(backend, None)
+        self._pages.pop(backend, None)
         self._recover_until.pop(backend, None)
         self._removed.add(backend)
 
@@ -126,6 +141,7 @@ class KVView:
             self.exact.clear(backend)
             self._exact_set = self._exact_set - {backend}
             self._hash_maps.pop(backend, None)
+            self._pages.pop(backend, None)
             self._recover_until.pop(backend, None)
 
     def match(self, chain: Sequence[int], now: float) -> list[int]:
@@ -185,6 +201,7 @@ class KVView:
         ``max(exact, approximate)`` for ``recovery_s`` seconds."""
         self.exact.clear(backend)
         self._hash_maps.setdefault(backend, {}).clear()
+        self._pages.pop(backend, None)
         self._recover_until[backend] = now + self.recovery_s
 
     def apply_events(self, backend: int, events: Sequence[KVEvent]) -> None:
@@ -200,11 +217,18 @@ class KVView:
                 ours = [
                     h for h in map(hmap.pop, ev.block_hashes, [None] * len(ev.block_hashes)) if h is not None
                 ]
+                pages = self._pages.get(backend)
+                if pages and len(ours) < len(ev.block_hashes):
+                    for eh in ev.block_hashes:
+                        page = pages.pop(eh, None)
+                        if page is not None:
+                            ours.extend(page[2])
                 if ours:
                     self.exact.remove(backend, ours)
             elif isinstance(ev, AllBlocksCleared):
                 self.exact.clear(backend)
                 hmap.clear()
+                self._pages.pop(backend, None)
                 if self.on_cleared is not None:
                     self.on_cleared(backend)
 
@@ -214,17 +238,53 @@ class KVView:
             return
         n = len(ev.block_hashes)
         bs = self.block_size
-        if ev.block_size != bs or len(ev.token_ids) != n * bs:
+        ebs = ev.block_size
+        if len(ev.token_ids) != n * ebs or (ev.lora_id is not None and ev.lora_name is None):
             self.skipped_blocks += n
             return
+        key = None if ev.lora_name is None else extra_key(ev.lora_name)
+        tail: tuple[int, ...] = ()
         if ev.parent_block_hash is None:
             parent = None
         else:
             parent = hmap.get(ev.parent_block_hash)
             if parent is None:
-                self.skipped_blocks += n
-                return
-        ours = hash_blocks(ev.token_ids, bs, parent=parent)
+                page = self._pages.get(backend, {}).get(ev.parent_block_hash)
+                if page is None:
+                    self.skipped_blocks += n
+                    return
+                parent, tail, _ = page
+        if ebs != bs or tail:
+            self._reblocked(backend, ev, parent, tail, key)
+            return
+        ours = hash_blocks(ev.token_ids, bs, key, parent=parent)
         for eh, oh in zip(ev.block_hashes, ours, strict=True):
             hmap[eh] = oh
         self.exact.store(backend, ours)
+
+    def _reblocked(
+        self,
+        backend: int,
+        ev: BlockStored,
+        parent: int | None,
+        tail: tuple[int, ...],
+        key: str | bytes | None,
+    ) -> None:
+        """Store ``ev``'s engine blocks, whose size is not the router's, as the router blocks they
+        complete (see the module docstring); ``parent``/``tail``: the state after the parent block."""
+        bs = self.block_size
+        ebs = ev.block_size
+        pages = self._pages.setdefault(backend, {})
+        stored: list[int] = []
+        for i, eh in enumerate(ev.block_hashes):
+            tokens = tail + tuple(ev.token_ids[i * ebs : (i + 1) * ebs])
+            full = len(tokens) // bs
+            done: tuple[int, ...] = ()
+            if full:
+                done = tuple(hash_blocks(tokens[: full * bs], bs, key, parent=parent))
+                parent = done[-1]
+                stored.extend(done)
+            tail = tokens[full * bs :]
+            pages[eh] = (parent, tail, done)
+        if stored:
+            self.exact.store(backend, stored)

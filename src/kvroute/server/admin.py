@@ -12,7 +12,7 @@ again keeps its id; the id always names the newest backend with that URL.
   backends (``?all=1``: the removed ones too), by index.
 - ``GET /admin/backends/{id}``: one backend (404 when unknown).
 - ``POST /admin/backends`` with ``{"url": "http://host:port", "kv_events": "tcp://host:port"}``
-  (``kv_events``, ``kv_replay`` and ``tags`` optional): 201 with the backend; it starts unhealthy and
+  (``kv_events``, ``kv_replay``, ``tags``, ``models``, ``lora_adapters``, ``engine`` optional): 201 with the backend; it starts unhealthy and
   takes traffic once a health check admits it (see :mod:`kvroute.server.fleet`). 400 naming the field
   for a bad body, 409 when the URL is already listed.
 - ``DELETE /admin/backends/{id}``: drains it (no new requests), then removes it once its requests in
@@ -22,7 +22,8 @@ again keeps its id; the id always names the newest backend with that URL.
 
 A backend's JSON: ``id``, ``index``, ``url``, ``state`` (``active``, ``draining``, ``removed``),
 ``removing`` (draining to be removed), ``healthy``, ``kv_events``, ``kv_replay``, ``kv_mode``
-(``exact``, ``approx``, ``recovering``, or null once removed), ``tags``, ``waiting`` and ``running``
+(``exact``, ``approx``, ``recovering``, or null once removed), ``tags``, ``engine`` (declared, or
+null), ``models`` (what it serves, declared or read from its /v1/models), ``waiting`` and ``running``
 (this process's requests in flight), ``requests_total`` (attempts sent).
 """
 
@@ -78,6 +79,8 @@ def backend_json(fleet: Fleet, b: BackendState) -> dict[str, Any]:
         "kv_replay": spec.kv_replay,
         "kv_mode": None if b.state == REMOVED else core.kv.mode(b.index, core.clock()),
         "tags": list(spec.tags),
+        "engine": spec.engine,
+        "models": core.pools.served([b.index]),
         "waiting": waiting,
         "running": running,
         "requests_total": b.requests_total,
@@ -108,7 +111,9 @@ def spec_from_body(raw: bytes) -> BackendSpec:
         raise ApiError(400, "the body must be a JSON object") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
-    unknown = sorted(set(body) - {"url", "kv_events", "kv_replay", "tags"})
+    unknown = sorted(
+        set(body) - {"url", "kv_events", "kv_replay", "tags", "models", "lora_adapters", "engine"}
+    )
     if unknown:
         raise ApiError(400, f"unknown field '{unknown[0]}'", unknown[0])
     url = _host_port(body.get("url"), "url", ("http", "https"))
@@ -117,10 +122,16 @@ def spec_from_body(raw: bytes) -> BackendSpec:
         events = _host_port(body["kv_events"], "kv_events", ("tcp",))
     if body.get("kv_replay") is not None:
         replay = _host_port(body["kv_replay"], "kv_replay", ("tcp",))
-    tags = body.get("tags", [])
-    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-        raise ApiError(400, "'tags' must be a list of strings", "tags")
-    return BackendSpec(url, events, replay, tuple(tags))
+    lists = {}
+    for name in ("tags", "models", "lora_adapters"):
+        val = body.get(name, [])
+        if not isinstance(val, list) or not all(isinstance(t, str) and t for t in val):
+            raise ApiError(400, f"'{name}' must be a list of strings", name)
+        lists[name] = tuple(val)
+    engine = body.get("engine")
+    if engine is not None and engine not in ("vllm", "sglang"):
+        raise ApiError(400, "'engine' must be 'vllm' or 'sglang'", "engine")
+    return BackendSpec(url, events, replay, engine=engine, **lists)
 
 
 def _json(data: object, status: int = 200) -> web.Response:
@@ -193,8 +204,11 @@ class _Admin:
             fields: dict[str, Any] | None = None
             if spec is not None:
                 fields = {"url": spec.url, "kv_events": spec.kv_events, "kv_replay": spec.kv_replay}
-                if spec.tags:
-                    fields["tags"] = list(spec.tags)
+                for name in ("tags", "models", "lora_adapters"):
+                    if getattr(spec, name):
+                        fields[name] = list(getattr(spec, name))
+                if spec.engine is not None:
+                    fields["engine"] = spec.engine
             self.journal.append(op, url, fields)
 
     def guard(self, handler: Any) -> Any:

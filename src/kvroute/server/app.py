@@ -185,6 +185,7 @@ class RouterServer:
             self._tasks.extend(self.peers.start())
         self._tasks.append(asyncio.create_task(self.monitor.health_loop()))
         self._tasks.append(asyncio.create_task(self.monitor.scrape_loop()))
+        self._tasks.append(asyncio.create_task(self.monitor.models_loop()))
         self._tasks.append(asyncio.create_task(self.fleet.reap_loop()))
         self._tasks.extend(asyncio.create_task(w) for w in self.discovery.watchers())
         self._ensure_preloading()

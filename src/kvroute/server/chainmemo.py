@@ -41,7 +41,7 @@ class ChainMemo:
         self.misses = 0
 
     def chain(
-        self, pieces: Sequence[Piece], suffix: Sequence[int] = (), extra_key: str | None = None
+        self, pieces: Sequence[Piece], suffix: Sequence[int] = (), extra_key: str | bytes | None = None
     ) -> list[int]:
         """Hashes of the full blocks of the pieces' tokens followed by ``suffix``."""
         bs = self.block_size

@@ -38,7 +38,10 @@ The command-line flags and the YAML file that build it are read by :mod:`kvroute
     otel: false                               # OpenTelemetry traces (the otel extra)
     ...                                       # any other RouterConfig field by name
 
-A backend mapping may carry ``tags: [spot]`` (spot instances, see ``features.limits``).
+A backend mapping may carry ``tags: [spot]`` (spot instances, see ``features.limits``), ``models:
+[...]`` and ``lora_adapters: [...]`` (what it serves, instead of reading its ``/v1/models``; see
+:mod:`kvroute.server.pools`) and ``engine: vllm | sglang`` (its metric names; unset: detected, see
+:mod:`kvroute.server.engines`).
 """
 
 from __future__ import annotations
@@ -64,12 +67,17 @@ class BackendSpec:
       approximate KV view (routing history) for this backend.
     - ``kv_replay``: ZMQ ROUTER endpoint for replaying missed event batches after a sequence gap.
     - ``tags``: labels of the backend, e.g. ``("spot",)`` (see ``kvroute.features.limits``).
+    - ``models``, ``lora_adapters``: the model ids and LoRA adapters it serves (both empty: read from
+      its ``/v1/models``); ``engine``: ``"vllm"`` or ``"sglang"`` (None: detected from its metrics).
     """
 
     url: str
     kv_events: str | None = None
     kv_replay: str | None = None
     tags: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
+    lora_adapters: tuple[str, ...] = ()
+    engine: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +121,7 @@ class RouterConfig:
       :mod:`kvroute.server.discovery`), checked every ``discover_interval_s`` seconds; the backends
       they list join ``backends`` (which discovery never removes). ``discover_kv_events``: the KV event
       endpoint of a DNS-discovered backend, a template with ``{host}`` (None: approximate view).
+    - ``models_interval_s``: how often each backend's ``/v1/models`` is read again (model pools).
     - ``peer_bind``, ``peers``, ``peer_expiry_s``, ``peer_refresh_s``: router replicas that share their
       reservations (:mod:`kvroute.server.peers`): receive the other replicas' at ``peer_bind``
       (``tcp://HOST:PORT``), announce this one's to ``peers`` (``tcp://HOST:PORT`` or
@@ -159,6 +168,7 @@ class RouterConfig:
     peers: tuple[str, ...] = ()
     peer_expiry_s: float = 3.0
     peer_refresh_s: float = 1.0
+    models_interval_s: float = 10.0
     workers: int = 1  # `kvroute serve` processes on the port (kvroute.server.workers); 1: this process
     explain: bool = False
     decisions_kept: int = 1000
@@ -183,6 +193,9 @@ class RouterConfig:
             )
         if self.admin_token is not None and not self.admin_token.strip():
             raise UserError("config: admin_token must not be empty")
+        for b in self.backends:
+            if b.engine is not None and b.engine not in ("vllm", "sglang"):
+                raise UserError(f"config: backend {b.url}: engine {b.engine!r} must be vllm or sglang")
         urls = [b.url for b in self.backends]
         if len(set(urls)) != len(urls):
             raise UserError("a backend URL is listed twice")
@@ -208,6 +221,7 @@ class RouterConfig:
             ("discover_interval_s", 0 < self.discover_interval_s < float("inf")),
             ("workers", 1 <= self.workers <= 256),
             ("decisions_kept", 1 <= self.decisions_kept <= 1_000_000),
+            ("models_interval_s", 0 < self.models_interval_s < float("inf")),
         ]
         for name, ok in checks:
             if not ok:

@@ -3,10 +3,15 @@
 - Health: ``GET /health`` of every active backend (not draining or removed) every
   ``health_interval_s`` (timeout ``health_timeout_s``); a 2xx is a pass. ``eject_after`` consecutive failures eject a backend; ``readmit_after`` consecutive passes
   re-admit it (a connection error on a proxied request ejects at once, see the proxy).
-- Scrape: ``GET /metrics`` (restricted to the samples it reads, ``backends.SCRAPE_PATH``) of every
+- Scrape: ``GET /metrics`` (restricted to the samples it reads, ``engines.SCRAPE_PATH``) of every
   active healthy backend every ``scrape_interval_s``; parsed with
   :func:`~kvroute.server.backends.parse_vllm_metrics` into ``BackendState.scraped``. A failed scrape
-  leaves the old value, which the load view ignores once older than ``scrape_stale_s``.
+  leaves the old value, which the load view ignores once older than ``scrape_stale_s``. The page is
+  read with the backend's engine's names (``engine`` in its spec, else detected from the scrape; see
+  :mod:`kvroute.server.engines`).
+- Models: ``GET /v1/models`` of every active backend when it is admitted and every
+  ``models_interval_s``, into the model pools (:mod:`kvroute.server.pools`; skipped for backends whose
+  config declares their models). A failed read keeps the last list.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import logging
 import orjson
 
 from kvroute.features.coldstart import Prefix
-from kvroute.server.backends import ACTIVE, SCRAPE_PATH, BackendState, Lease, parse_vllm_metrics
+from kvroute.server.backends import ACTIVE, BackendState, Lease
+from kvroute.server.engines import SCRAPE_PATH, parse_metrics
+from kvroute.server.pools import parse_model_list
 from kvroute.server.router import RouterCore
 from kvroute.server.transport import Transport, UpstreamError
 
@@ -37,6 +44,13 @@ class Monitor:
         self.scrape_failures = 0
         self.preloads_sent = 0
         self.preload_failures = 0
+        self.engines: dict[int, str] = {}  # backend index -> engine detected from its metrics
+        self.model_reads = 0
+        self.model_read_failures = 0
+
+    def engine_of(self, index: int) -> str | None:
+        """Backend ``index``'s engine kind: declared in its spec, else detected (None: not yet)."""
+        return self.core.specs[index].engine or self.engines.get(index)
 
     async def check_health(self, backend: BackendState) -> bool:
         """One health check; updates the backend and returns whether it passed."""
@@ -59,6 +73,7 @@ class Monitor:
             if backend.check_passed(cfg.readmit_after):
                 log.warning("admitted backend %s", backend.url)
                 self.core.backend_reset(backend.index)  # cold start: it restarted (or joined)
+                await self.read_models(backend)  # it may serve other models than before
         elif backend.check_failed(cfg.eject_after):
             log.warning("ejected backend %s after %d failed health checks", backend.url, backend.failures)
         return ok
@@ -80,9 +95,48 @@ class Monitor:
             return
         self.scrapes += 1
         if ok:
-            parsed = parse_vllm_metrics(text, self.core.clock())
+            core = self.core
+            engine = self.engine_of(backend.index)
+            parsed, seen = parse_metrics(text, core.clock(), engine, core.config.block_size)
             if parsed is not None:
                 backend.scraped = parsed
+                if engine is None and seen is not None:
+                    self.engines[backend.index] = seen
+                    log.info("backend %s: %s metrics", backend.url, seen)
+
+    async def read_models(self, backend: BackendState) -> bool:
+        """Read ``backend``'s ``/v1/models`` into the model pools (not when its config declares its
+        models); True when the read succeeded."""
+        core, cfg = self.core, self.core.config
+        spec = core.specs[backend.index]
+        if spec.models or spec.lora_adapters:
+            return True
+        try:
+            resp = await self.transport.send(backend.url, "GET", "/v1/models", timeout_s=cfg.health_timeout_s)
+            try:
+                async with asyncio.timeout(cfg.health_timeout_s):
+                    raw = await resp.read()
+                ok = resp.status == 200
+                resp.release()
+            finally:
+                resp.abort()
+            served = parse_model_list(orjson.loads(raw)) if ok else None
+        except (UpstreamError, TimeoutError, orjson.JSONDecodeError):
+            served = None
+        if served is None or backend.state != ACTIVE:
+            self.model_read_failures += 1
+            return False
+        self.model_reads += 1
+        if core.pools.listed(backend.index, served):
+            log.info("backend %s serves %s", backend.url, ", ".join(sorted(served.models)) or "no model")
+        return True
+
+    async def models_loop(self) -> None:
+        """Read every active backend's /v1/models now, then every ``models_interval_s``."""
+        interval = self.core.config.models_interval_s
+        while True:
+            await asyncio.gather(*(self.read_models(b) for b in self.core.backends if b.state == ACTIVE))
+            await asyncio.sleep(interval)
 
     async def health_loop(self) -> None:
         interval = self.core.config.health_interval_s

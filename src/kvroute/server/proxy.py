@@ -121,7 +121,12 @@ class _Tail:
     )
 
     def __init__(
-        self, core: RouterCore, plan: Plan, pool: ThreadPoolExecutor, pending: Pending, salt: str | None
+        self,
+        core: RouterCore,
+        plan: Plan,
+        pool: ThreadPoolExecutor,
+        pending: Pending,
+        salt: str | bytes | None,
     ) -> None:
         self.core = core
         self.plan = plan
@@ -157,14 +162,16 @@ class _Tail:
         else:
             self._inline(pending, salt)
 
-    def _inline(self, pending: Pending, salt: str | None) -> None:
+    def _inline(self, pending: Pending, salt: str | bytes | None) -> None:
         try:
             pieces = self.core.tokenizer.finish_pieces(pending)
             self._finish(*self.core.hashed(pieces, pending.suffix, salt))
         except Exception as exc:  # the request already went out on the estimate; only the view misses it
             log.warning("tokenizing a routed request's new text failed: %r", exc)
 
-    def _done(self, fut: asyncio.Future[list[Piece]], suffix: Sequence[int], salt: str | None) -> None:
+    def _done(
+        self, fut: asyncio.Future[list[Piece]], suffix: Sequence[int], salt: str | bytes | None
+    ) -> None:
         if fut.cancelled():
             return
         exc = fut.exception()
@@ -317,6 +324,7 @@ class Proxy:
             t0 = clock()
             parsed = parse_request(raw, chat)
             core = self.core
+            key = core.extra_key(parsed)  # LoRA adapter and cache salt
             t1 = clock()
             pending = core.split(parsed)
             t2 = clock()
@@ -325,9 +333,9 @@ class Proxy:
             tail = None
             if pending.tail_chars >= DEFER_CHARS and core.defer_tokenize:
                 est = core.tokenizer.estimate_tail(pending)
-                known, chain = core.hashed(pending.known_pieces, (), parsed.cache_salt)
+                known, chain = core.hashed(pending.known_pieces, (), key)
                 plan = core.plan(parsed, known, request.headers, tail_tokens=est, hashes=chain)
-                tail = _Tail(core, plan, self._tokenize_pool, pending, parsed.cache_salt)
+                tail = _Tail(core, plan, self._tokenize_pool, pending, key)
                 t3 = t4 = t2
             else:
                 if pending.tail_chars >= OFFLOAD_CHARS:
@@ -338,7 +346,7 @@ class Proxy:
                 else:
                     pieces = core.tokenizer.finish_pieces(pending)
                 t3 = clock()
-                ids, chain = core.hashed(pieces, pending.suffix, parsed.cache_salt)
+                ids, chain = core.hashed(pieces, pending.suffix, key)
                 t4 = clock()
                 plan = core.plan(parsed, ids, request.headers, hashes=chain)
             t5 = clock()

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvroute.blocks import hash_blocks
+from kvroute.blocks import extra_key, hash_blocks
 from kvroute.chat_template import ChatTemplateError
 from kvroute.features.classes import CLASS_HEADER, resolve_class
 from kvroute.features.coldstart import Prefix
@@ -34,6 +34,7 @@ from kvroute.server.backends import ACTIVE, DRAINING, REMOVED, BackendState
 from kvroute.server.chainmemo import ChainMemo, Piece
 from kvroute.server.config import BackendSpec, RouterConfig
 from kvroute.server.loadtable import LoadTable
+from kvroute.server.pools import ModelPools
 from kvroute.server.tokenize import Pending, RequestTokenizer
 from kvroute.server.validate import ApiError, ParsedRequest
 
@@ -128,6 +129,9 @@ class RouterCore:
         # shadow policies over the same KV view (read-only there), each with its own state
         self.shadows = Shadows(config.shadow, self.kv) if config.shadow else None
         self._tags = {i: frozenset(b.tags) for i, b in enumerate(config.backends) if b.tags}
+        self.pools = ModelPools()  # what each backend serves: a request's model picks its pool
+        for i, b in enumerate(config.backends):
+            self.pools.declare(i, b.models, b.lora_adapters)
         self.preloads: list[tuple[int, Prefix]] = []  # cold-start preloads for the monitor to send
         self._watch_cleared()
 
@@ -159,6 +163,7 @@ class RouterCore:
         self.backends.append(state)
         self.specs.append(spec)
         self._set_tags(index, spec)
+        self.pools.declare(index, spec.models, spec.lora_adapters)
         if healthy:
             self.backend_reset(index)
         return state
@@ -172,6 +177,8 @@ class RouterCore:
             raise ValueError(f"backend {index} is {old.url}, not {spec.url}")
         self.specs[index] = spec
         self._set_tags(index, spec)
+        if (old.models, old.lora_adapters) != (spec.models, spec.lora_adapters):
+            self.pools.declare(index, spec.models, spec.lora_adapters)
         self.kv.set_exact(index, spec.kv_events is not None, self.clock())
 
     def _set_tags(self, index: int, spec: BackendSpec) -> None:
@@ -205,6 +212,7 @@ class RouterCore:
         b.healthy = False
         b.scraped = None
         self._tags.pop(index, None)
+        self.pools.forget(index)
         self.kv.remove_backend(index)
 
     def live_backends(self) -> list[BackendState]:
@@ -240,12 +248,18 @@ class RouterCore:
         except (TypeError, ValueError, KeyError) as exc:
             raise ApiError(400, f"cannot tokenize the request: {exc}") from None
 
+    def extra_key(self, req: ParsedRequest) -> str | bytes | None:
+        """The extra key of ``req``'s blocks: its LoRA adapter (when its model is one) and its
+        ``cache_salt`` (:func:`kvroute.blocks.extra_key`)."""
+        adapter = req.model if self.pools.is_adapter(req.model) else None
+        return extra_key(adapter, req.cache_salt)
+
     def tokens(self, req: ParsedRequest) -> list[int]:
         """The prompt's token ids (400 for content the tokenizer rejects)."""
         return self.tokenizer.finish(self.split(req))
 
     def hashed(
-        self, pieces: Sequence[Piece], suffix: Sequence[int], salt: str | None
+        self, pieces: Sequence[Piece], suffix: Sequence[int], salt: str | bytes | None
     ) -> tuple[list[int], tuple[int, ...]]:
         """The prompt's token ids and block chain from its pieces (see :mod:`.chainmemo`); 400 for
         token ids outside [0, 2**32)."""
@@ -271,17 +285,20 @@ class RouterCore:
         then the chain covers the known part and the prompt length is estimated; ``headers``: the
         client's, for the class header and the API key). Raises ApiError(503) when no backend is
         healthy, 400 for untokenizable input or an unknown request class, QuotaExceeded (429) over
-        quota. ``hashes``: the block hashes of ``ids`` when already computed (:meth:`hashed`)."""
+        quota, 404 for a model no backend serves. ``hashes``: the block hashes of ``ids`` when already
+        computed (:meth:`hashed`). Candidates: the healthy active backends of ``req.model``'s pool."""
         candidates = [b for b in self.backends if b.healthy and b.state == ACTIVE]
         if not candidates:
             raise ApiError(503, "no healthy backend", etype="service_unavailable")
+        if self.pools.known and req.model is not None:
+            candidates = self.pools.select(req.model, self.live_backends(), candidates)
         if ids is None:
             ids = self.tokens(req)
         if hashes is not None:
             chain = tuple(hashes)
         else:
             try:
-                chain = tuple(hash_blocks(ids, self.config.block_size, extra_key=req.cache_salt))
+                chain = tuple(hash_blocks(ids, self.config.block_size, extra_key=self.extra_key(req)))
             except ValueError as exc:
                 raise ApiError(400, f"invalid token ids: {exc}", "prompt") from None
         now = self.clock()
@@ -350,7 +367,8 @@ class RouterCore:
             req_class=req_class,
             quota_key=quota_key,
             model=req.model,
-            token_ids=ids if req.cache_salt is None else None,  # salted chains cannot be preloaded unsalted
+            # salted or adapter chains cannot be preloaded as plain prompts
+            token_ids=ids if self.extra_key(req) is None else None,
         )
 
     def backend_reset(self, index: int) -> None:

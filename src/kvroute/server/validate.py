@@ -22,18 +22,33 @@ _TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_re
 class ApiError(Exception):
     """An error for the client: HTTP ``status`` and a one-line message (never a traceback)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, etype: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        etype: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.etype = etype or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.code = code  # OpenAI's string code (e.g. "model_not_found"); None: the status
 
 
 def error_body(err: ApiError) -> bytes:
     """The OpenAI-style JSON body for ``err``."""
     return orjson.dumps(
-        {"error": {"message": err.message, "type": err.etype, "param": err.param, "code": err.status}}
+        {
+            "error": {
+                "message": err.message,
+                "type": err.etype,
+                "param": err.param,
+                "code": err.status if err.code is None else err.code,
+            }
+        }
     )
 
 

@@ -1,0 +1,142 @@
+"""Units of model pools, SGLang metrics and events, LoRA keys and re-blocking in the KV view."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvroute.blocks import extra_key, hash_blocks
+from kvroute.commands.settings import config_from_mapping
+from kvroute.engine.types import BlockRemoved, BlockStored
+from kvroute.errors import UserError
+from kvroute.kvevents import decode_batch, encode_batch, page_hashes
+from kvroute.routing.kvview import KVView
+from kvroute.server.backends import BackendState
+from kvroute.server.engines import parse_metrics, parse_sglang_metrics
+from kvroute.server.pools import ModelPools, ServedModels, parse_model_list
+from kvroute.server.validate import ApiError
+
+SGLANG_PAGE = b"""# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{engine_type="unified",model_name="m",tp_rank="0"} 3.0
+sglang:num_running_reqs{engine_type="unified",model_name="m",tp_rank="1"} 2.0
+sglang:num_queue_reqs{model_name="m"} 4.0
+sglang:token_usage{model_name="m"} 0.25
+sglang:max_total_num_tokens{model_name="m"} 65536.0
+sglang:cache_hit_rate{model_name="m"} 0.5
+"""
+
+
+def test_sglang_metrics_and_detection() -> None:
+    m = parse_sglang_metrics(SGLANG_PAGE, 2.0, 16)
+    assert m is not None
+    assert (m.running, m.waiting, m.kv_usage, m.at, m.num_kv_blocks) == (5, 4, 0.25, 2.0, 4096)
+    assert parse_metrics(SGLANG_PAGE, 2.0, None, 16) == (m, "sglang")
+    assert parse_metrics(SGLANG_PAGE, 2.0, "vllm", 16) == (None, "vllm")  # declared: not guessed
+    vllm = b'vllm:num_requests_running{model_name="m"} 1\nvllm:num_requests_waiting{model_name="m"} 0\n'
+    parsed, seen = parse_metrics(vllm, 1.0, None, 16)
+    assert seen == "vllm" and parsed is not None and parsed.running == 1
+    assert parse_metrics(b"other 1\n", 1.0, None, 16) == (None, None)
+
+
+def test_sglang_event_layout_roundtrip() -> None:
+    tokens = tuple(range(32))
+    stored = BlockStored((11, 22), None, tokens, 16)
+    raw = encode_batch(5.0, [stored, BlockRemoved((22,))], fmt="sglang", pages_per_block=4)
+    obj = msgspec.msgpack.decode(raw)
+    assert len(obj) == 2 and obj[0] == 5.0  # [ts, events]: no rank
+    first = obj[1][0]
+    assert first[0] == "BlockStored" and len(first[1]) == 1 and first[4] == 4 and first[2] is None
+    ts, events, rank = decode_batch(raw)
+    assert ts == 5.0
+    assert rank is None and len(events) == 8 + 4
+    pages = [e for e in events if isinstance(e, BlockStored)]
+    assert [p.token_ids for p in pages] == [tokens[i : i + 4] for i in range(0, 32, 4)]
+    assert pages[3].block_hashes == (11,) and pages[4].parent_block_hash == 11
+    removed = [e.block_hashes[0] for e in events if isinstance(e, BlockRemoved)]
+    assert removed == list(reversed(page_hashes(22, 4)))
+
+
+@pytest.mark.parametrize("page", [1, 3, 16, 32], ids=["1-token", "3-token", "aligned", "32-token"])
+def test_kv_view_reblocks_engine_pages(page: int) -> None:
+    """Engine blocks of any size are re-blocked into the router's 16-token blocks; removing the page
+    that completed blocks removes those blocks, and only them."""
+    tokens = list(range(1000, 1096))  # 6 router blocks
+    kv = KVView(1, 16, 1024, None, 0.0, exact_backends=[0])
+    events, parent = [], None
+    for i in range(0, len(tokens) // page * page, page):
+        h = 10_000 + i
+        events.append(BlockStored((h,), parent, tuple(tokens[i : i + page]), page))
+        parent = h
+    kv.apply_events(0, events)
+    chain = hash_blocks(tokens, 16)
+    stored = len(tokens) // page * page // 16
+    assert kv.match(chain, 0.0) == [stored]
+    assert kv.skipped_blocks == 0
+    # Evict the last page that completed a router block (leaf first, as engines evict).
+    last = max(e.block_hashes[0] for e in events if (e.block_hashes[0] - 10_000 + page) % 16 < page)
+    kv.apply_events(0, [BlockRemoved(tuple(h for h in range(last, parent + 1, page)))])  # type: ignore[operator]
+    # the blocks that end after that page's first token are gone, those before stay
+    assert kv.match(chain, 0.0) == [(last - 10_000) // 16] and (last - 10_000) // 16 < stored
+
+
+def test_kv_view_keys_adapter_blocks() -> None:
+    tokens = tuple(range(64))
+    kv = KVView(2, 16, 1024, None, 0.0, exact_backends=[0, 1])
+    kv.apply_events(0, [BlockStored((1, 2, 3, 4), None, tokens, 16, lora_id=1, lora_name="sql")])
+    kv.apply_events(1, [BlockStored((5, 6, 7, 8), None, tokens, 16, lora_id=2)])  # no name: skipped
+    assert kv.match(hash_blocks(tokens, 16, extra_key("sql")), 0.0) == [4, 0]
+    assert kv.match(hash_blocks(tokens, 16), 0.0) == [0, 0]
+    assert kv.skipped_blocks == 4
+    assert extra_key(None, "salt") == "salt" and extra_key("a", "b") != extra_key("a")
+
+
+def _state(i: int) -> BackendState:
+    return BackendState(i, f"http://h:{i}")
+
+
+def test_pools_select() -> None:
+    pools = ModelPools()
+    a, b, c = _state(0), _state(1), _state(2)
+    assert pools.select("x", [a, b], [a, b]) == [a, b]  # nothing known: any backend
+    pools.declare(0, ["alpha"], [])
+    listed = parse_model_list(
+        {"data": [{"id": "beta", "parent": None}, {"id": "sql", "parent": "beta"}, {"nope": 1}]}
+    )
+    assert listed == ServedModels(frozenset({"beta", "sql"}), frozenset({"sql"}))
+    assert pools.listed(1, listed) and not pools.listed(1, listed)
+    assert not pools.listed(0, listed)  # declared: a listing does not replace it
+    assert pools.is_adapter("sql") and not pools.is_adapter("beta")
+    assert pools.select("alpha", [a, b], [a, b]) == [a]
+    assert pools.select("sql", [a, b], [a, b]) == [b]
+    assert pools.select(None, [a, b], [a, b]) == [a, b]
+    with pytest.raises(ApiError) as exc:
+        pools.select("gamma", [a, b], [a, b])
+    assert exc.value.status == 404 and exc.value.code == "model_not_found"
+    assert "alpha, beta, sql" in exc.value.message
+    with pytest.raises(ApiError) as exc:
+        pools.select("alpha", [a, b], [b])
+    assert exc.value.status == 503
+    assert pools.select("gamma", [a, b, c], [a, b, c]) == [c]  # c's models are not known yet
+    pools.forget(1)
+    assert not pools.is_adapter("sql")
+    assert parse_model_list({"object": "list"}) is None
+
+
+def test_config_backend_models_and_engine() -> None:
+    cfg = config_from_mapping(
+        {
+            "backends": [
+                {"url": "http://a:1", "models": ["m"], "lora_adapters": ["sql"], "engine": "sglang"},
+                "http://b:2",
+            ]
+        },
+        "f.yaml",
+    )
+    a, b = cfg.backends
+    assert (a.models, a.lora_adapters, a.engine) == (("m",), ("sql",), "sglang")
+    assert (b.models, b.engine) == ((), None)
+    with pytest.raises(UserError, match="engine"):
+        config_from_mapping({"backends": [{"url": "http://a:1", "engine": "tgi"}]}, "f.yaml")
+    with pytest.raises(UserError, match="models"):
+        config_from_mapping({"backends": [{"url": "http://a:1", "models": "m"}]}, "f.yaml")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import secrets
 import sys
 
 from kvroute.commands.serve import add_router_arguments, overrides, with_feature_flags
@@ -62,7 +63,11 @@ def run(args: argparse.Namespace) -> int:
         cluster = EngineCluster(args.instances, engine_args(args), kv_events=not args.approximate)
         backends = await cluster.start()
         try:
-            cfg = dataclasses.replace(RouterConfig(backends=backends), **overrides(args)).validate()
+            given = overrides(args)
+            # the dashboard and /debug need the admin token: a random one unless one was given
+            made = "admin_token" not in given
+            token = given.setdefault("admin_token", secrets.token_urlsafe(16))
+            cfg = dataclasses.replace(RouterConfig(backends=backends), **given).validate()
             cfg = with_feature_flags(cfg, args)
             server = RouterServer(cfg)
             try:
@@ -73,6 +78,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvroute up: {args.instances} emulated engines, policy={cfg.policy}", file=sys.stderr)
             for b in backends:
                 print(f"  engine {b.url}  kv_events={b.kv_events or 'off'}", file=sys.stderr)
+            # a token made here is printed (it opens the page directly); a given one is not echoed
+            shown = token if made else "<admin token>"
+            page = (
+                f"{url}/dashboard#token={token}" if made else f"{url}/dashboard (asks for your admin token)"
+            )
+            print(f"dashboard: {page}", file=sys.stderr)
+            print(
+                "explanations: send 'x-kvroute-explain: 1' (or start with --explain); decisions: "
+                f'curl -H "Authorization: Bearer {shown}" {url}/debug/decisions',
+                file=sys.stderr,
+            )
             print(f"router: {url}/v1", flush=True)
             await serve_until_signal(server)
         finally:

@@ -126,6 +126,16 @@ class HotspotDetector:
     def active_mitigations(self) -> int:
         return sum(a.mitigating for a in self._alarms.values())
 
+    def active(self) -> list[tuple[int, float, int, int, bool]]:
+        """The classes in alarm now: ``(key, share x over the window, holders |M|, instances N,
+        mitigating)``, by key. Reads only."""
+        w = self.window
+        total = w.total
+        return [
+            (key, w.count.get(key, 0) / total if total else 0.0, a.holders, a.instances, a.mitigating)
+            for key, a in sorted(self._alarms.items())
+        ]
+
     def _rank(self, now: float) -> frozenset[int]:
         if now - self._ranked_at >= self.config.rank_interval_s:
             hits = self.window.hits

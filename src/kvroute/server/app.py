@@ -28,6 +28,7 @@ from kvroute.policies.registry import make_policy
 from kvroute.server.admin import add_admin_routes, apply_journal_line
 from kvroute.server.backends import ACTIVE
 from kvroute.server.config import BackendSpec, RouterConfig
+from kvroute.server.dashboard import add_dashboard_routes
 from kvroute.server.debug import add_debug_routes
 from kvroute.server.discovery import Discovery, ParseBackends, Resolver
 from kvroute.server.events import EventSubscriber
@@ -158,6 +159,7 @@ class RouterServer:
         if self.config.admin_token is not None:
             add_admin_routes(app, self.fleet, self.config.admin_token, self.journal)
             add_debug_routes(app, self.core, self.observer.log, self.config.admin_token)
+            add_dashboard_routes(app, self.observer, self.config.admin_token)
         return app
 
     async def start(self) -> str:

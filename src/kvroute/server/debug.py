@@ -22,7 +22,7 @@ from kvroute.server.proxy import error_response
 from kvroute.server.router import RouterCore
 from kvroute.server.validate import ApiError
 
-__all__ = ["add_debug_routes", "bearer_guard"]
+__all__ = ["add_debug_routes", "bearer_guard", "request_limit"]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -46,7 +46,8 @@ def bearer_guard(token: str, handler: Handler) -> Handler:
     return guarded
 
 
-def _limit(request: web.Request, default: int, most: int) -> int:
+def request_limit(request: web.Request, default: int, most: int) -> int:
+    """The query's ``limit`` (``default`` when absent); an ApiError 400 unless 1 ≤ limit ≤ ``most``."""
     text = request.query.get("limit")
     if text is None:
         return min(default, most)
@@ -63,14 +64,14 @@ def add_debug_routes(app: web.Application, core: RouterCore, log: DecisionLog, t
     """Register the routes of the module docstring on ``app``."""
 
     async def decisions(request: web.Request) -> web.Response:
-        limit = _limit(request, 50, log.capacity)
+        limit = request_limit(request, 50, log.capacity)
         urls = core.backends
         data = [record_json(r, lambda i: urls[i].url) for r in log.latest(limit)]
         body = {"object": "list", "kept": log.capacity, "total": log.total, "data": data}
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     async def state(request: web.Request) -> web.Response:
-        body = router_state(core, log, _limit(request, 20, log.capacity))
+        body = router_state(core, log, request_limit(request, 20, log.capacity))
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     app.router.add_get("/debug/decisions", bearer_guard(token, decisions))

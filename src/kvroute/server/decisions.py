@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvroute.routing.core import Decision
 from kvroute.routing.shadow import ShadowPick
+from kvroute.server.persecond import PerSecond
 
 if TYPE_CHECKING:
     from kvroute.server.router import RouterCore
@@ -130,9 +131,11 @@ class DecisionRecord:
 
 
 class DecisionLog:
-    """The newest ``capacity`` decision records (a ring buffer; appending drops the oldest)."""
+    """The newest ``capacity`` decision records (a ring buffer; appending drops the oldest);
+    ``per_second``: every record appended, counted per second of its ``wall`` time (the dashboard's
+    decisions per second, whatever the capacity)."""
 
-    __slots__ = ("_records", "capacity", "total")
+    __slots__ = ("_records", "capacity", "per_second", "total")
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
@@ -140,10 +143,12 @@ class DecisionLog:
         self.capacity = capacity
         self._records: deque[DecisionRecord] = deque(maxlen=capacity)
         self.total = 0  # records ever appended
+        self.per_second = PerSecond()
 
     def append(self, record: DecisionRecord) -> None:
         self._records.append(record)
         self.total += 1
+        self.per_second.add(record.wall)
 
     def __len__(self) -> int:
         return len(self._records)

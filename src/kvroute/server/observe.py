@@ -26,7 +26,9 @@ name, e.g. ``lmetric`` or ``lmetric+hotspot``):
   so, by Prometheus' rule, it has no ``_sum``/``_count``: the count is the ``le="+Inf"`` bucket and
   the sum is ``real_total − expected_total`` of the two counters that go with it,
   ``kvroute_cached_tokens_expected_total{backend}`` and ``kvroute_cached_tokens_real_total{backend}``
-  over the same requests (those whose response reported ``cached_tokens``).
+  over the same requests (those whose response reported ``cached_tokens``), and
+  ``kvroute_prompt_tokens_total{backend}``: their prompt tokens (the router's count), so that
+  ``real / prompt`` is the backend's observed KV hit rate.
 - ``kvroute_request_routing_seconds{backend,policy}``: parse + tokenize + plan;
   ``kvroute_request_added_ttfb_seconds{backend,policy}``: from arrival to sending the attempt that
   answered (the router's share of the time to first byte); ``kvroute_request_ttft_seconds`` (arrival
@@ -132,6 +134,7 @@ class Observer:
         # expected/real cached tokens per backend index (requests whose response reported them)
         self.cached_expected: dict[int, int] = {}
         self.cached_real: dict[int, int] = {}
+        self.prompt_tokens: dict[int, int] = {}  # prompt tokens of those same requests
         registry.register(_HistCollector(self))
         shadows = core.shadows
         if shadows is not None:
@@ -267,6 +270,7 @@ class Observer:
                 err.observe(real - expected)
                 self.cached_expected[b] = self.cached_expected.get(b, 0) + expected
                 self.cached_real[b] = self.cached_real.get(b, 0) + real
+                self.prompt_tokens[b] = self.prompt_tokens.get(b, 0) + rec.decision.prompt_tokens
         if self._access is not None:
             self._write_access(rec)
         if rec.spans is not None:
@@ -401,10 +405,16 @@ class _HistCollector(Collector):
             "Cached prompt tokens the engine reported (usage.prompt_tokens_details.cached_tokens)",
             labels=["backend"],
         )
+        prompt = CounterMetricFamily(
+            "kvroute_prompt_tokens",
+            "Prompt tokens (router's count) of requests whose response reported cached_tokens",
+            labels=["backend"],
+        )
         for b, h in sorted(obs.errors.items()):
             url = live.get(b)
             if url is not None:
                 err.add_metric([url], h.buckets(), h.total)
                 exp.add_metric([url], obs.cached_expected.get(b, 0))
                 real.add_metric([url], obs.cached_real.get(b, 0))
-        yield from (err, exp, real)
+                prompt.add_metric([url], obs.prompt_tokens.get(b, 0))
+        yield from (err, exp, real, prompt)

@@ -145,7 +145,7 @@ def serve_forever(
             raise UserError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
         modes = ", ".join(f"{b.url} ({'exact' if b.kv_events else 'approx'})" for b in config.backends)
         found = f" discover: {', '.join(config.discover)}" if config.discover else ""
-        admin = " admin API on" if config.admin_token is not None else ""
+        admin = f" admin API on; dashboard: {url}/dashboard" if config.admin_token is not None else ""
         print(
             f"kvroute serve: {url}/v1 policy={config.policy} backends: {modes or '(none yet)'}{found}{admin}",
             file=sys.stderr,

@@ -68,7 +68,7 @@ def test_default_durations() -> None:
 
 
 def test_invalid_arguments() -> None:
-    with pytest.raises(UserError, match="chatbot, coder, api, agent"):
+    with pytest.raises(UserError, match="chatbot, multiturn, coder, api, agent"):
         make_workload("nope")
     with pytest.raises(UserError):
         make_workload("chatbot", rate_scale=0.0)
@@ -197,3 +197,19 @@ def test_memory_bounded_by_live_sessions(name: str) -> None:
     small = _peak_bytes(make_workload(name, duration=math.inf), 1000)
     large = _peak_bytes(make_workload(name, duration=math.inf), 10000)
     assert large < 3 * small + 1_000_000  # 10x the requests, not 10x the memory
+
+
+def test_multiturn_prompts_are_mostly_their_conversations_history() -> None:
+    """The main job's workload: past the first turn, most of a prompt is the conversation's own
+    earlier turns, not the shared system prompt; answers are short."""
+    by_session: dict[int, list[Request]] = defaultdict(list)
+    reqs = take("multiturn", 2000, seed=3)
+    for r in reqs:
+        by_session[r.session].append(r)
+    later = [t for turns in by_session.values() for t in turns[1:]]
+    assert len(later) > 500
+    # the first turn's prompt bounds the system prompt + first message: later turns are far longer
+    firsts = {s: turns[0].prompt_len for s, turns in by_session.items()}
+    shares = [1 - firsts[r.session] / r.prompt_len for r in later]
+    assert sum(shares) / len(shares) > 0.5
+    assert sorted(r.output_len for r in reqs)[len(reqs) // 2] < 64

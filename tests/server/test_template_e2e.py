@@ -93,3 +93,68 @@ async def test_http_second_turn_exact_hit_with_a_non_chatml_template(tmp_path: P
             assert rejected["status"] == 200  # the Llama template accepts ipython turns
     finally:
         await cluster.close()
+
+
+async def test_kvroute_up_with_a_non_chatml_template_gives_exact_hits(tmp_path: Path) -> None:
+    """The command itself: ``kvroute up --tokenizer DIR`` (a folder with the Llama 3.2 template) starts
+    engines and the router that all render it; the second turn lands on the backend holding the first
+    (``x-kvroute-backend``) with ``cached_tokens`` as predicted (``x-kvroute-cached-tokens``)."""
+    import os
+    import signal
+    import sys
+
+    from kvroute.server.cluster import free_port
+
+    from .test_shutdown import SRC
+
+    tok = llama_tokenizer(tmp_path)
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)}
+    argv = [sys.executable, "-m", "kvroute.cli", "up", "--instances", "2", "--port", str(port)]
+    argv += ["--tokenizer", str(tmp_path), "--explain", "--drain-grace", "0"]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            for _ in range(600):
+                assert proc.returncode is None, "kvroute up exited early"
+                try:
+                    async with http.get(url + "/health") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.1)
+
+            async def chat(msgs: list[dict[str, str]], max_tokens: int) -> tuple[dict, dict]:  # type: ignore[type-arg]
+                body = {"model": "kvroute-emulated", "messages": msgs, "max_tokens": max_tokens}
+                async with http.post(url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    return dict(r.headers), await r.json()
+
+            msgs = turns(1)[:2]
+            h1, first = await chat(msgs, 8)
+            await asyncio.sleep(0.5)  # the engine's KV events reach the router
+            msgs2 = [
+                *msgs,
+                {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "And more?"},
+            ]
+            h2, second = await chat(msgs2, 4)
+            assert h2["x-kvroute-backend"] == h1["x-kvroute-backend"]
+            ids1, ids2 = tok.encode(tok.render_chat(msgs)), tok.encode(tok.render_chat(msgs2))
+            common = next((i for i, (a, b) in enumerate(zip(ids1, ids2, strict=False)) if a != b), len(ids1))
+            cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert second["usage"]["prompt_tokens"] == len(ids2)
+            assert cached == common // 16 * 16 > 64
+            assert int(h2["x-kvroute-cached-tokens"]) == cached  # the router predicted it exactly
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 30)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()

@@ -11,9 +11,11 @@ A decision, in order:
    (:mod:`kvroute.features.limits`), then the BS cap of warming instances
    (:mod:`kvroute.features.coldstart`) — each rule only applies if it leaves an instance.
 2. **Hot-spot mitigation** (any policy): the request's prefix class is observed by the
-   :class:`~kvroute.features.hotspot.HotspotDetector`; if the class is under mitigation the request
-   goes to the least loaded eligible instance (BS, then queued prefill tokens, then index) outside
-   the instances caching the class (all eligible ones if none is outside).
+   :class:`~kvroute.features.hotspot.HotspotDetector`; if the detector says so the request goes to an
+   eligible instance outside the instances caching the class (all eligible ones if none is outside):
+   in ``spread="replica"`` mode the one with the lowest P-token × (BS + 1) (the new replica pays
+   the prefix's prefill where it queues least; ties → BS, queued prefill, index), in ``"all"`` mode
+   the least loaded (BS, then queued prefill tokens, then index).
 3. **Score**: with an ``lmetric`` inner policy and any of cold start, request classes or
    load-adaptive weighting on, the score is computed here:
    ``(P-token + offset) × (BS + 1) ^ w`` with ``offset`` = 10 on warming instances (else 0) and
@@ -180,7 +182,7 @@ class Guarded:
             threshold = class_blocks(self._class_tokens, request.block_size) * request.block_size
             hot = [c >= threshold for c in cached]
             if det.observe(key, sum(hot), n, now):
-                decision = self._mitigate(mask, hot, bs, instances)
+                decision = self._mitigate(mask, hot, bs, p_token, instances)
                 self._after(decision.choice, key, hot, p_token, bs, now)
                 return decision
         if self._own_score:
@@ -222,7 +224,12 @@ class Guarded:
         return mask, bs
 
     def _mitigate(
-        self, mask: list[bool], hot: list[bool], bs: list[int], instances: Sequence[InstanceView]
+        self,
+        mask: list[bool],
+        hot: list[bool],
+        bs: list[int],
+        p_token: list[int],
+        instances: Sequence[InstanceView],
     ) -> Choice:
         cfg = self.features.hotspot
         assert cfg is not None
@@ -230,8 +237,14 @@ class Guarded:
         cand = [i for i in range(n) if mask[i] and not hot[i]] if cfg.exclude_hot else []
         if not cand:
             cand = [i for i in range(n) if mask[i]]
-        choice = min(cand, key=lambda i: (bs[i], instances[i].queued_prefill_tokens, instances[i].index))
-        scores = tuple(float(bs[i]) if i in cand else math.inf for i in range(n))
+        if cfg.spread == "replica":
+            score = [float(p * (b + 1)) for p, b in zip(p_token, bs, strict=True)]
+        else:
+            score = [float(b) for b in bs]
+        choice = min(
+            cand, key=lambda i: (score[i], bs[i], instances[i].queued_prefill_tokens, instances[i].index)
+        )
+        scores = tuple(score[i] if i in cand else math.inf for i in range(n))
         self.counts["mitigated"] += 1
         return Choice(choice, scores, self.name, True, {"mitigated": (1.0,)}, reason="hotspot")
 

@@ -132,6 +132,7 @@ class HotspotDetector:
         self.mitigations = 0
         self.clears = 0
         self.mitigated_requests = 0
+        self.deferred = 0  # armed replicas held back because the holders were not saturated
         self.events: deque[HotspotEvent] = deque(maxlen=EVENTS_KEPT)
         self.event_count = 0  # events ever recorded (the deque keeps the last EVENTS_KEPT)
 
@@ -151,7 +152,7 @@ class HotspotDetector:
             self._ranked_at = now
         return self._top
 
-    def observe(self, key: int, holders: int, instances: int, now: float) -> bool:
+    def observe(self, key: int, holders: int, instances: int, now: float, saturated: bool = True) -> bool:
         """Record a request of class ``key`` (0: none) whose class prefix is cached on ``holders``
         of the ``instances`` candidates; return True if it must be routed outside the holders (one new
         replica in ``"replica"`` mode, by load alone in ``"all"`` mode)."""
@@ -182,10 +183,13 @@ class HotspotDetector:
         state.holders = holders
         state.instances = instances
         if state.mitigating and self.config.mitigate:
-            self.mitigated_requests += 1
-            if self.config.spread == "replica":  # this request makes one new holder; count again
-                state.mitigating = False
+            if self.config.spread == "replica":
+                if not saturated:  # no instance is less loaded than the holders: stay armed
+                    self.deferred += 1
+                    return False
+                state.mitigating = False  # this request makes one new holder; count again
                 state.streak = 0
+            self.mitigated_requests += 1
             return True
         return False
 
@@ -216,6 +220,7 @@ class HotspotDetector:
             "mitigations": self.mitigations,
             "clears": self.clears,
             "mitigated_requests": self.mitigated_requests,
+            "deferred": self.deferred,
             "events": [
                 {
                     "time": round(e.time, 3),

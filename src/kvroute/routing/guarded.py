@@ -181,8 +181,9 @@ class Guarded:
         if det is not None and key:
             threshold = class_blocks(self._class_tokens, request.block_size) * request.block_size
             hot = [c >= threshold for c in cached]
-            if det.observe(key, sum(hot), n, now):
-                decision = self._mitigate(mask, hot, bs, p_token, instances)
+            targets = _replica_targets(hot, bs, mask, instances)
+            if det.observe(key, sum(hot), n, now, bool(targets)):
+                decision = self._mitigate(mask, hot, bs, p_token, instances, targets)
                 self._after(decision.choice, key, hot, p_token, bs, now)
                 return decision
         if self._own_score:
@@ -230,11 +231,15 @@ class Guarded:
         bs: list[int],
         p_token: list[int],
         instances: Sequence[InstanceView],
+        targets: list[int],
     ) -> Choice:
         cfg = self.features.hotspot
         assert cfg is not None
         n = len(mask)
-        cand = [i for i in range(n) if mask[i] and not hot[i]] if cfg.exclude_hot else []
+        if cfg.spread == "replica":
+            cand = targets if cfg.exclude_hot and targets else [i for i in range(n) if mask[i]]
+        else:
+            cand = [i for i in range(n) if mask[i] and not hot[i]] if cfg.exclude_hot else []
         if not cand:
             cand = [i for i in range(n) if mask[i]]
         if cfg.spread == "replica":
@@ -337,3 +342,23 @@ class Guarded:
         if self.quota is not None:
             out["quota_admitted"] = self.quota.admitted
         return out
+
+
+def _replica_targets(
+    hot: list[bool], bs: list[int], mask: list[bool], instances: Sequence[InstanceView]
+) -> list[int]:
+    """Positions of the eligible instances that do not cache the class and are less loaded than
+    *every* holder in both terms of the score: fewer requests (BS) and no more queued prefill tokens.
+    Empty when nobody caches the class or no such instance exists: the holders are not saturated
+    (they carry the class no worse than anyone else could), so a replica would only add a full prefix
+    prefill behind a longer queue."""
+    held = [i for i, h in enumerate(hot) if h]
+    if not held:
+        return []
+    min_bs = min(bs[i] for i in held)
+    min_q = min(instances[i].queued_prefill_tokens for i in held)
+    return [
+        i
+        for i in range(len(hot))
+        if mask[i] and not hot[i] and bs[i] < min_bs and instances[i].queued_prefill_tokens <= min_q
+    ]

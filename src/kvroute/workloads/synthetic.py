@@ -613,8 +613,8 @@ class HotTraceConfig(WorkloadConfig):
     chat_prompt_sigma: float = 0.9
     chat_output_mean: float = 400.0
     chat_output_sigma: float = 0.6
-    short_output_median: float = 28.0
-    short_output_sigma: float = 1.0
+    short_output_median: float = 14.0
+    short_output_sigma: float = 0.5
     prompt_max: int = 65536
     output_max: int = 2048
 
@@ -622,7 +622,7 @@ class HotTraceConfig(WorkloadConfig):
         _check_common(self)
         if not self.rate > 0 or not self.tick_s >= 0:
             raise UserError("hotspot-trace: rate > 0, tick_s >= 0")
-        if not (0 <= self.hot_share and 0 <= self.tool_share and self.hot_share + self.tool_share <= 1):
+        if not (self.hot_share >= 0 and self.tool_share >= 0 and self.hot_share + self.tool_share <= 1):
             raise UserError("hotspot-trace: hot_share, tool_share >= 0 with a sum <= 1")
         if self.hot_prefix_blocks < 1 or self.tool_prefix_blocks < 1 or not self.short_output_median >= 1:
             raise UserError("hotspot-trace: prefix blocks >= 1, short_output_median >= 1")

@@ -58,3 +58,22 @@ def test_ties_go_to_lower_bs_then_index() -> None:
     views = [InstanceView(index=0, running=1), InstanceView(index=1, running=0, queued_prefill_tokens=100)]
     r = RequestView(prompt_tokens=100, cached_tokens=(0, 0))  # 100×2 == 200×1
     assert LMetricKV().choose(r, views).choice == 1
+
+
+def test_guarded_own_score_keeps_the_kv_factor() -> None:
+    """With request classes on, the feature wrapper computes the score itself; for lmetric-kv it must
+    still multiply by C / (C − D)."""
+    from kvroute.features.classes import ClassConfig
+    from kvroute.features.settings import FeatureConfig
+    from kvroute.routing.guarded import Guarded
+
+    views = [
+        InstanceView(index=0, running=3, kv_capacity_blocks=100, decode_blocks=95),
+        InstanceView(index=1, running=5, kv_capacity_blocks=100, decode_blocks=10),
+    ]
+    r = RequestView(prompt_tokens=2000, cached_tokens=(0, 0))
+    g = Guarded(make_policy("lmetric-kv"), FeatureConfig(classes=ClassConfig()))
+    d = g.choose(r, views)
+    assert d.choice == 1 and d.scores == pytest.approx((2000 * 4 * 20.0, 2000 * 6 * 100 / 90))
+    plain = Guarded(make_policy("lmetric"), FeatureConfig(classes=ClassConfig()))
+    assert plain.choose(r, views).choice == 0

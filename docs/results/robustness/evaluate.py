@@ -152,6 +152,8 @@ def verdict(base: list[float], new: list[float]) -> str:
     diffs = [b - a for a, b in zip(base, new, strict=True)]
     m, h = mean_ci(diffs)
     rel = m / statistics.fmean(base) * 100 if statistics.fmean(base) else 0.0
+    if len(diffs) < 2:
+        return f"{rel:+.1f} % (one run)"
     word = "worse" if m - h > 0 else "better" if m + h < 0 else "tie"
     return f"{rel:+.1f} % ({word})"
 

@@ -16,9 +16,9 @@ A decision, in order:
    in ``spread="replica"`` mode the one with the lowest P-token × (BS + 1) (the new replica pays
    the prefix's prefill where it queues least; ties → BS, queued prefill, index), in ``"all"`` mode
    the least loaded (BS, then queued prefill tokens, then index).
-3. **Score**: with an ``lmetric`` inner policy and any of cold start, request classes or
-   load-adaptive weighting on, the score is computed here:
-   ``(P-token + offset) × (BS + 1) ^ w`` with ``offset`` = 10 on warming instances (else 0) and
+3. **Score**: with an ``lmetric`` or ``lmetric-kv`` inner policy and any of cold start, request
+   classes or load-adaptive weighting on, the score is computed here:
+   ``(P-token + offset) × (BS + 1) ^ w`` (× the KV pressure C / (C − D) for ``lmetric-kv``) with ``offset`` = 10 on warming instances (else 0) and
    ``w = w_policy × w_class × w_load``; ties → lower BS, then lower index (as
    :class:`~kvroute.policies.lmetric.LMetric`). Otherwise the inner policy chooses among the
    eligible instances.
@@ -47,6 +47,7 @@ from kvroute.features.prefix import DEFAULT_CLASS_TOKENS, class_blocks, prefix_c
 from kvroute.features.settings import FeatureConfig
 from kvroute.policies.base import Policy, check_inputs
 from kvroute.policies.lmetric import LMetric
+from kvroute.policies.lmetric_kv import LMetricKV, kv_pressure
 from kvroute.views import Choice, InstanceView, RequestView
 
 __all__ = ["Guarded"]
@@ -62,10 +63,10 @@ class Guarded:
     def __init__(self, inner: Policy, features: FeatureConfig) -> None:
         self.features = features.check()
         self.inner = inner
-        lm = inner if isinstance(inner, LMetric) else None
+        lm = inner if isinstance(inner, (LMetric, LMetricKV)) else None
         if lm is None and (features.classes is not None or features.load_adaptive is not None):
             raise UserError(
-                f"request classes and load-adaptive weighting need policy lmetric, not {inner.name}"
+                f"request classes and load-adaptive weighting need policy lmetric or lmetric-kv, not {inner.name}"
             )
         self._lmetric = lm
         self._own_score = lm is not None and (
@@ -265,7 +266,8 @@ class Guarded:
         lm = self._lmetric
         assert lm is not None
         feats = self.features
-        w = lm.bs_weight
+        w = lm.bs_weight if isinstance(lm, LMetric) else 1.0
+        kv = isinstance(lm, LMetricKV)
         if feats.classes is not None:
             wc = class_weight(request.req_class, self._class_weights)
             w *= wc
@@ -285,7 +287,8 @@ class Guarded:
                 scores.append(math.inf)
                 continue
             p = p_token[i] + (offset if warming is not None and warming[i] else 0)
-            scores.append(float(p * (bs[i] + 1)) if w == 1.0 else p * (bs[i] + 1) ** w)
+            score = float(p * (bs[i] + 1)) if w == 1.0 else p * (bs[i] + 1) ** w
+            scores.append(score * kv_pressure(instances[i]) if kv else score)
         best_s = min(scores)
         best = min((i for i in range(n) if scores[i] == best_s), key=lambda i: (bs[i], instances[i].index))
         return Choice(

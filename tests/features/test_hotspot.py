@@ -82,8 +82,8 @@ def test_a_request_routed_outside_m_resets_the_streak() -> None:
     assert det.mitigations == 1
 
 
-def test_mitigation_lasts_until_the_condition_clears() -> None:
-    det = _det(streak_factor=0.0)
+def test_spread_all_mitigates_every_request_until_the_condition_clears() -> None:
+    det = _det(streak_factor=0.0, spread="all")
     key = 3
     det.observe(key, 1, 4, 0.0)
     det.routed(key, True, 0.0)  # streak 1 > 0
@@ -148,3 +148,42 @@ def test_bad_config() -> None:
         HotspotDetector(HotspotConfig(window_s=0))
     with pytest.raises(UserError):
         HotspotDetector(HotspotConfig(top_k=0))
+
+
+def test_spread_replica_sends_one_request_out_per_streak_then_counts_again() -> None:
+    det = _det(streak_factor=1.0)  # spread="replica" is the default
+    key, n = 11, 8
+    t = 0.0
+    assert not det.observe(key, 1, n, t)  # alarm (x = 1 > 1/8)
+    det.routed(key, True, t)  # streak 1 = 1·|M|
+    t += 0.1
+    assert not det.observe(key, 1, n, t)
+    det.routed(key, True, t)  # streak 2 > 1: mitigation armed
+    assert det.mitigations == 1
+    t += 0.1
+    assert det.observe(key, 1, n, t)  # this one makes a replica
+    det.routed(key, False, t)
+    # the next requests go back to the policy: the replica's prefill is still running (|M| = 1)
+    t += 0.1
+    assert not det.observe(key, 1, n, t)
+    det.routed(key, True, t)
+    assert det.mitigated_requests == 1 and det.mitigations == 1
+    # the replica landed: |M| = 2, another one only after a streak of more than 1·2 into M
+    for _ in range(1):  # streak 2 (counted from the replica, the request above included)
+        t += 0.1
+        assert not det.observe(key, 2, n, t)
+        det.routed(key, True, t)
+    assert det.mitigations == 1
+    t += 0.1
+    assert not det.observe(key, 2, n, t)
+    det.routed(key, True, t)  # streak 3 > 2
+    assert det.mitigations == 2
+    t += 0.1
+    assert det.observe(key, 2, n, t)
+    assert det.mitigated_requests == 2
+    assert [e.kind for e in det.events] == ["alarm", "mitigation", "mitigation"]
+
+
+def test_spread_must_be_a_known_mode() -> None:
+    with pytest.raises(UserError, match="spread"):
+        HotspotConfig(spread="some").check()

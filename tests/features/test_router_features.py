@@ -132,7 +132,8 @@ async def test_spot_backends_are_kept_out_of_long_requests(tokenizer: Tokenizer)
 
 async def test_metrics_export_alarms_mitigations_and_score_histogram(tokenizer: Tokenizer) -> None:
     feats = FeatureConfig(
-        hotspot=HotspotConfig(min_window_requests=1, rank_interval_s=0.0, streak_factor=0.0),
+        # spread="all": idle backends are never "saturated", so the default replica mode would defer
+        hotspot=HotspotConfig(min_window_requests=1, rank_interval_s=0.0, streak_factor=0.0, spread="all"),
         monitor=ScoreMonitorConfig(),
     )
     server, t = await start(tokenizer, feats)

@@ -45,7 +45,7 @@ def test_stream_invariants(name: str) -> None:
     assert reqs[0].arrival >= 0.0
     assert [r.req_id for r in reqs] == list(range(len(reqs)))
     for r in reqs:
-        assert r.block_size == 16
+        assert r.block_size == WORKLOADS[name].block_size
         assert len(r.block_ids) == r.prompt_len // r.block_size
         assert r.prompt_len >= 1 and r.output_len >= 1
 
@@ -213,3 +213,26 @@ def test_multiturn_prompts_are_mostly_their_conversations_history() -> None:
     shares = [1 - firsts[r.session] / r.prompt_len for r in later]
     assert sum(shares) / len(shares) > 0.5
     assert sorted(r.output_len for r in reqs)[len(reqs) // 2] < 64
+
+
+def test_hotspot_trace_shape() -> None:
+    """The issue-16 reproduction: 512-token blocks, ~1,000 requests in 150 s, 40 % share one 12-block
+    prefix, median output ~28 tokens, arrivals in 3-second bursts."""
+    from kvroute.workloads.synthetic import HotTraceConfig
+
+    cfg = HotTraceConfig()
+    reqs = [r for s in range(3) for r in make_workload("hotspot-trace", seed=s)]
+    per_seed = len(reqs) / 3
+    assert 900 < per_seed < 1100 and all(r.arrival < 150.0 for r in reqs)
+    assert all(r.block_size == 512 and r.arrival % cfg.tick_s == 0 for r in reqs)
+    by_head = defaultdict(list)
+    for r in reqs:
+        by_head[r.block_ids[:12] if len(r.block_ids) >= 12 else ()].append(r)
+    hot_head, hot = max(((k, v) for k, v in by_head.items() if k), key=lambda kv: len(kv[1]))
+    assert len(hot) / len(reqs) == pytest.approx(0.40, abs=0.03)
+    assert all(r.req_class == "hot" for r in hot) and len(set(hot_head)) == 12
+    assert sum(r.req_class == "hot" for r in reqs) == len(hot)  # no other request starts with those 12
+    outputs = sorted(r.output_len for r in reqs)
+    assert 20 <= outputs[len(outputs) // 2] <= 40
+    hot_new = sorted(r.prompt_len - 12 * 512 for r in hot)
+    assert 100 < hot_new[len(hot_new) // 2] < 600  # a hit costs a few hundred tokens, a miss 6k more

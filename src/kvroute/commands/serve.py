@@ -97,7 +97,7 @@ def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> N
             help="KV event endpoint of a DNS-discovered backend, e.g. 'tcp://{host}:5557' "
             "(default: approximate KV view)",
         )
-    p.add_argument("--policy", help=f"routing policy (default lmetric): {', '.join(policy_names())}")
+    p.add_argument("--policy", help=f"routing policy (default lmetric-kv): {', '.join(policy_names())}")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, help="port to listen on (default 8080)")
     p.add_argument("--tokenizer", help="tokenizer.json or folder (default: bundled Qwen3)")

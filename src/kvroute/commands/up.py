@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--instances must be >= 1")
     if not args.time_scale > 0:
         raise UserError("--time-scale must be positive")
-    make_policy(args.policy or "lmetric")
+    make_policy(args.policy or "lmetric-kv")
 
     async def main() -> int:
         cluster = EngineCluster(args.instances, engine_args(args), kv_events=not args.approximate)

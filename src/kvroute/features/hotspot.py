@@ -16,8 +16,19 @@ exceeds its share of the instances).
   exact and does *not* alarm. ``x = 1`` (only this class) alarms whenever ``|M| < N``.
 - **Stage 2 (mitigation)**: after the alarm, each request of the class routed into ``M`` extends a
   streak (one routed outside resets it); when the streak exceeds ``streak_factor · |M|`` (default
-  2·|M|) mitigation starts: later requests of the class are routed by load alone (see
-  :class:`~kvroute.routing.guarded.Guarded`) so the prefix spreads.
+  2·|M|) mitigation starts. What it does depends on ``spread``:
+
+  - ``"replica"`` (default): the *next* request of the class goes outside ``M`` (to the non-holder
+    with the lowest P-token × (BS + 1), see :class:`~kvroute.routing.guarded.Guarded`), which then
+    caches the prefix — one new holder — and the streak starts again from 0: another replica only
+    after another ``streak_factor · |M| + 1`` class requests went into ``M``. Between replicas the
+    inner policy routes the class and uses every holder's cache, the new ones included. The extra
+    prefill is bounded by one full prefix per streak.
+  - ``"all"`` (the first implementation): *every* later request of the class is routed by load alone
+    outside ``M`` until the alarm clears. On a bursty trace whose hot requests are cheap when they hit
+    (a 6k-token prefix, a few hundred new tokens), a burst arriving before any new holder has
+    finished its prefill is sprayed over non-holders, each recomputing the whole prefix while the
+    holders were not saturated (issue 16, ``hotspot-trace`` at 2×; docs/results/features.md).
 - **Clear**: the first request of the class for which the condition no longer holds (or the class
   left the top ``k``) clears its alarm and mitigation.
 
@@ -34,9 +45,11 @@ from kvroute.errors import UserError
 from kvroute.features.prefix import DEFAULT_CLASS_TOKENS
 from kvroute.features.window import SlidingCounts
 
-__all__ = ["HotspotConfig", "HotspotDetector", "HotspotEvent", "alarm_condition"]
+__all__ = ["SPREAD_MODES", "HotspotConfig", "HotspotDetector", "HotspotEvent", "alarm_condition"]
 
 EVENTS_KEPT = 1000
+SPREAD_MODES = ("replica", "all")
+"""How mitigation spreads a hot class: one new holder per stage-2 streak, or every request (see above)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +57,9 @@ class HotspotConfig:
     """Detector settings (seconds, tokens, counts); see the module docstring.
 
     ``mitigate``: False → detection only (alarms and mitigations are counted and logged; routing is
-    unchanged). ``exclude_hot``: under mitigation, route among the instances *outside* ``M`` (least loaded
-    first; all instances if none is outside) — otherwise among all instances by load alone.
+    unchanged). ``exclude_hot``: under mitigation, route among the instances *outside* ``M`` (all
+    instances if none is outside) — otherwise among all instances. ``spread``: one of
+    :data:`SPREAD_MODES` (see the module docstring).
     """
 
     window_s: float = 60.0
@@ -56,6 +70,7 @@ class HotspotConfig:
     rank_interval_s: float = 1.0
     exclude_hot: bool = True
     mitigate: bool = True
+    spread: str = "replica"
 
     def check(self) -> HotspotConfig:
         """Return self; raise :class:`UserError` for a value out of range."""
@@ -63,6 +78,8 @@ class HotspotConfig:
             raise UserError("hotspot: window_s must be > 0, top_k and class_tokens >= 1")
         if not self.streak_factor >= 0 or self.min_window_requests < 1 or not self.rank_interval_s >= 0:
             raise UserError("hotspot: streak_factor >= 0, min_window_requests >= 1, rank_interval_s >= 0")
+        if self.spread not in SPREAD_MODES:
+            raise UserError(f"hotspot: spread must be one of {', '.join(SPREAD_MODES)}, got {self.spread!r}")
         return self
 
 
@@ -115,6 +132,7 @@ class HotspotDetector:
         self.mitigations = 0
         self.clears = 0
         self.mitigated_requests = 0
+        self.deferred = 0  # armed replicas held back because the holders were not saturated
         self.events: deque[HotspotEvent] = deque(maxlen=EVENTS_KEPT)
         self.event_count = 0  # events ever recorded (the deque keeps the last EVENTS_KEPT)
 
@@ -144,9 +162,10 @@ class HotspotDetector:
             self._ranked_at = now
         return self._top
 
-    def observe(self, key: int, holders: int, instances: int, now: float) -> bool:
+    def observe(self, key: int, holders: int, instances: int, now: float, saturated: bool = True) -> bool:
         """Record a request of class ``key`` (0: none) whose class prefix is cached on ``holders``
-        of the ``instances`` candidates; return True if it must be routed by load alone."""
+        of the ``instances`` candidates; return True if it must be routed outside the holders (one new
+        replica in ``"replica"`` mode, by load alone in ``"all"`` mode)."""
         w = self.window
         w.add(key, now, holders > 0)
         if not key:
@@ -174,6 +193,12 @@ class HotspotDetector:
         state.holders = holders
         state.instances = instances
         if state.mitigating and self.config.mitigate:
+            if self.config.spread == "replica":
+                if not saturated:  # no instance is less loaded than the holders: stay armed
+                    self.deferred += 1
+                    return False
+                state.mitigating = False  # this request makes one new holder; count again
+                state.streak = 0
             self.mitigated_requests += 1
             return True
         return False
@@ -205,6 +230,7 @@ class HotspotDetector:
             "mitigations": self.mitigations,
             "clears": self.clears,
             "mitigated_requests": self.mitigated_requests,
+            "deferred": self.deferred,
             "events": [
                 {
                     "time": round(e.time, 3),

@@ -20,6 +20,7 @@ from kvroute.policies.dynamo import DynamoKv
 from kvroute.policies.linear import DEFAULT_LAMBDA, LinearCombo
 from kvroute.policies.llm_d import LlmD
 from kvroute.policies.lmetric import LMetric
+from kvroute.policies.lmetric_kv import LMetricKV
 from kvroute.policies.sglang import SglangCacheAware
 from kvroute.policies.simple import LeastRequests, PowerOfTwo, RandomChoice, RoundRobin
 from kvroute.policies.vllm import VLLM_VARIANTS, VllmBalancer
@@ -93,6 +94,7 @@ def _seeded(cls: Callable[[random.Random], Policy], base: str) -> PolicyFactory:
 POLICIES: Mapping[str, PolicyFactory] = MappingProxyType(
     {
         "lmetric": _lmetric,
+        "lmetric-kv": _simple(LMetricKV, "lmetric-kv"),
         "vllm": _vllm,
         "llm-d": _simple(LlmD, "llm-d"),
         "sglang": _simple(SglangCacheAware, "sglang"),

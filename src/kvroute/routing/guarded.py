@@ -11,12 +11,14 @@ A decision, in order:
    (:mod:`kvroute.features.limits`), then the BS cap of warming instances
    (:mod:`kvroute.features.coldstart`) — each rule only applies if it leaves an instance.
 2. **Hot-spot mitigation** (any policy): the request's prefix class is observed by the
-   :class:`~kvroute.features.hotspot.HotspotDetector`; if the class is under mitigation the request
-   goes to the least loaded eligible instance (BS, then queued prefill tokens, then index) outside
-   the instances caching the class (all eligible ones if none is outside).
-3. **Score**: with an ``lmetric`` inner policy and any of cold start, request classes or
-   load-adaptive weighting on, the score is computed here:
-   ``(P-token + offset) × (BS + 1) ^ w`` with ``offset`` = 10 on warming instances (else 0) and
+   :class:`~kvroute.features.hotspot.HotspotDetector`; if the detector says so the request goes to an
+   eligible instance outside the instances caching the class (all eligible ones if none is outside):
+   in ``spread="replica"`` mode the one with the lowest P-token × (BS + 1) (the new replica pays
+   the prefix's prefill where it queues least; ties → BS, queued prefill, index), in ``"all"`` mode
+   the least loaded (BS, then queued prefill tokens, then index).
+3. **Score**: with an ``lmetric`` or ``lmetric-kv`` inner policy and any of cold start, request
+   classes or load-adaptive weighting on, the score is computed here:
+   ``(P-token + offset) × (BS + 1) ^ w`` (× the KV pressure C / (C − D) for ``lmetric-kv``) with ``offset`` = 10 on warming instances (else 0) and
    ``w = w_policy × w_class × w_load``; ties → lower BS, then lower index (as
    :class:`~kvroute.policies.lmetric.LMetric`). Otherwise the inner policy chooses among the
    eligible instances.
@@ -45,6 +47,7 @@ from kvroute.features.prefix import DEFAULT_CLASS_TOKENS, class_blocks, prefix_c
 from kvroute.features.settings import FeatureConfig
 from kvroute.policies.base import Policy, check_inputs
 from kvroute.policies.lmetric import LMetric
+from kvroute.policies.lmetric_kv import LMetricKV, kv_pressure
 from kvroute.views import Choice, InstanceView, RequestView
 
 __all__ = ["Guarded"]
@@ -60,10 +63,10 @@ class Guarded:
     def __init__(self, inner: Policy, features: FeatureConfig) -> None:
         self.features = features.check()
         self.inner = inner
-        lm = inner if isinstance(inner, LMetric) else None
+        lm = inner if isinstance(inner, (LMetric, LMetricKV)) else None
         if lm is None and (features.classes is not None or features.load_adaptive is not None):
             raise UserError(
-                f"request classes and load-adaptive weighting need policy lmetric, not {inner.name}"
+                f"request classes and load-adaptive weighting need policy lmetric or lmetric-kv, not {inner.name}"
             )
         self._lmetric = lm
         self._own_score = lm is not None and (
@@ -179,8 +182,9 @@ class Guarded:
         if det is not None and key:
             threshold = class_blocks(self._class_tokens, request.block_size) * request.block_size
             hot = [c >= threshold for c in cached]
-            if det.observe(key, sum(hot), n, now):
-                decision = self._mitigate(mask, hot, bs, instances)
+            targets = _replica_targets(hot, bs, mask, instances)
+            if det.observe(key, sum(hot), n, now, bool(targets)):
+                decision = self._mitigate(mask, hot, bs, p_token, instances, targets)
                 self._after(decision.choice, key, hot, p_token, bs, now)
                 return decision
         if self._own_score:
@@ -222,16 +226,31 @@ class Guarded:
         return mask, bs
 
     def _mitigate(
-        self, mask: list[bool], hot: list[bool], bs: list[int], instances: Sequence[InstanceView]
+        self,
+        mask: list[bool],
+        hot: list[bool],
+        bs: list[int],
+        p_token: list[int],
+        instances: Sequence[InstanceView],
+        targets: list[int],
     ) -> Choice:
         cfg = self.features.hotspot
         assert cfg is not None
         n = len(mask)
-        cand = [i for i in range(n) if mask[i] and not hot[i]] if cfg.exclude_hot else []
+        if cfg.spread == "replica":
+            cand = targets if cfg.exclude_hot and targets else [i for i in range(n) if mask[i]]
+        else:
+            cand = [i for i in range(n) if mask[i] and not hot[i]] if cfg.exclude_hot else []
         if not cand:
             cand = [i for i in range(n) if mask[i]]
-        choice = min(cand, key=lambda i: (bs[i], instances[i].queued_prefill_tokens, instances[i].index))
-        scores = tuple(float(bs[i]) if i in cand else math.inf for i in range(n))
+        if cfg.spread == "replica":
+            score = [float(p * (b + 1)) for p, b in zip(p_token, bs, strict=True)]
+        else:
+            score = [float(b) for b in bs]
+        choice = min(
+            cand, key=lambda i: (score[i], bs[i], instances[i].queued_prefill_tokens, instances[i].index)
+        )
+        scores = tuple(score[i] if i in cand else math.inf for i in range(n))
         self.counts["mitigated"] += 1
         return Choice(choice, scores, self.name, True, {"mitigated": (1.0,)}, reason="hotspot")
 
@@ -247,7 +266,8 @@ class Guarded:
         lm = self._lmetric
         assert lm is not None
         feats = self.features
-        w = lm.bs_weight
+        w = lm.bs_weight if isinstance(lm, LMetric) else 1.0
+        kv = isinstance(lm, LMetricKV)
         if feats.classes is not None:
             wc = class_weight(request.req_class, self._class_weights)
             w *= wc
@@ -267,7 +287,8 @@ class Guarded:
                 scores.append(math.inf)
                 continue
             p = p_token[i] + (offset if warming is not None and warming[i] else 0)
-            scores.append(float(p * (bs[i] + 1)) if w == 1.0 else p * (bs[i] + 1) ** w)
+            score = float(p * (bs[i] + 1)) if w == 1.0 else p * (bs[i] + 1) ** w
+            scores.append(score * kv_pressure(instances[i]) if kv else score)
         best_s = min(scores)
         best = min((i for i in range(n) if scores[i] == best_s), key=lambda i: (bs[i], instances[i].index))
         return Choice(
@@ -324,3 +345,23 @@ class Guarded:
         if self.quota is not None:
             out["quota_admitted"] = self.quota.admitted
         return out
+
+
+def _replica_targets(
+    hot: list[bool], bs: list[int], mask: list[bool], instances: Sequence[InstanceView]
+) -> list[int]:
+    """Positions of the eligible instances that do not cache the class and are less loaded than
+    *every* holder in both terms of the score: fewer requests (BS) and no more queued prefill tokens.
+    Empty when nobody caches the class or no such instance exists: the holders are not saturated
+    (they carry the class no worse than anyone else could), so a replica would only add a full prefix
+    prefill behind a longer queue."""
+    held = [i for i, h in enumerate(hot) if h]
+    if not held:
+        return []
+    min_bs = min(bs[i] for i in held)
+    min_q = min(instances[i].queued_prefill_tokens for i in held)
+    return [
+        i
+        for i in range(len(hot))
+        if mask[i] and not hot[i] and bs[i] < min_bs and instances[i].queued_prefill_tokens <= min_q
+    ]

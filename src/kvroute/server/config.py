@@ -135,7 +135,7 @@ class RouterConfig:
     """
 
     backends: tuple[BackendSpec, ...]
-    policy: str = "lmetric"
+    policy: str = "lmetric-kv"
     host: str = "127.0.0.1"
     port: int = 8080
     tokenizer: str | None = None

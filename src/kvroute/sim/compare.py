@@ -315,7 +315,7 @@ class PaperPlan:
     workloads: tuple[PaperWorkload, ...]
     instances: int = 16
     seed: int = 0
-    policies: tuple[str, ...] = ("vllm", "llm-d", "lmetric", "sglang", "dynamo")
+    policies: tuple[str, ...] = ("vllm", "llm-d", "lmetric", "lmetric-kv", "sglang", "dynamo")
     lambdas: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
     reference: str = "vllm"
     rate_fractions: tuple[float, ...] = (0.125, 0.25, 0.5, 1.0)

@@ -43,6 +43,7 @@ __all__ = [
     "ChatbotConfig",
     "CoderConfig",
     "HotPrefixConfig",
+    "HotTraceConfig",
     "MixedConfig",
     "WorkloadConfig",
     "make_workload",
@@ -599,6 +600,61 @@ class HotPrefixConfig(WorkloadConfig):
 
 
 @dataclass(frozen=True)
+class HotTraceConfig(WorkloadConfig):
+    """A short Mooncake-format trace with one hot prefix from the start (issue 16's reproduction of a real
+    arXiv-Mooncake-style sample): 512-token blocks, ~1,000 requests in 150 s, arrivals in bursts (Poisson
+    arrivals rounded down to a ``tick_s`` grid, as the trace's millisecond timestamps come in batches every
+    ~3 s). Three kinds of request:
+
+    - **hot** (``hot_share`` = 40 %): the same ``hot_prefix_blocks`` = 12 blocks (6,144 tokens, a tool
+      manifest) + a short lognormal suffix (mean ``hot_suffix_mean`` tokens); very short answers;
+    - **tool** (``tool_share`` = 15 %): a second shared prefix of ``tool_prefix_blocks`` = 5 blocks + a
+      short suffix, short answers;
+    - **chat** (the rest): block 0 shared by all (a system prompt of one block) + a unique context
+      (lognormal mean ``chat_prompt_mean`` tokens), answers of lognormal mean ``chat_output_mean``.
+
+    Short answers are lognormal with median ``short_output_median`` (the trace's median output is ~28
+    tokens). A hot request that hits the cache costs ~``hot_suffix_mean`` prefill tokens; one that misses
+    costs 6k: spreading the hot class multiplies its prefill work ~20×. Run on 8 instances at
+    ``--rate-scale 1`` and ``2``."""
+
+    name: ClassVar[str] = "hotspot-trace"
+    description: ClassVar[str] = (
+        "Mooncake-shaped bursts: 40 % share one 12-block (6k-token) prefix, short outputs"
+    )
+    block_size: int = 512
+    duration_s: float = 150.0
+    # Requests/s at rate_scale 1: 1,000 requests in 150 s; arrivals rounded down to multiples of tick_s.
+    rate: float = 1000.0 / 150.0
+    tick_s: float = 3.0
+    hot_share: float = 0.4
+    hot_prefix_blocks: int = 12
+    hot_suffix_mean: float = 400.0
+    tool_share: float = 0.15
+    tool_prefix_blocks: int = 5
+    tool_suffix_mean: float = 400.0
+    suffix_sigma: float = 1.0
+    chat_prompt_mean: float = 10000.0
+    chat_prompt_sigma: float = 0.9
+    chat_output_mean: float = 400.0
+    chat_output_sigma: float = 0.6
+    short_output_median: float = 14.0
+    short_output_sigma: float = 0.5
+    prompt_max: int = 65536
+    output_max: int = 2048
+
+    def requests(self, seed: int) -> Iterator[Request]:
+        _check_common(self)
+        if not self.rate > 0 or not self.tick_s >= 0:
+            raise UserError("hotspot-trace: rate > 0, tick_s >= 0")
+        if not (self.hot_share >= 0 and self.tool_share >= 0 and self.hot_share + self.tool_share <= 1):
+            raise UserError("hotspot-trace: hot_share, tool_share >= 0 with a sum <= 1")
+        if self.hot_prefix_blocks < 1 or self.tool_prefix_blocks < 1 or not self.short_output_median >= 1:
+            raise UserError("hotspot-trace: prefix blocks >= 1, short_output_median >= 1")
+        return _hot_trace(self, random.Random(seed))
+
+
+@dataclass(frozen=True)
 class MixedConfig(WorkloadConfig):
     """Two request classes on one cluster: interactive chat (class ``ttft``: shared system prompts,
     short answers) and batch generation (class ``tpot``: a shared instruction plus a unique document,
@@ -660,6 +716,38 @@ def _hotspot(cfg: HotPrefixConfig, rng: random.Random) -> Iterator[Request]:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def _hot_trace(cfg: HotTraceConfig, rng: random.Random) -> Iterator[Request]:
+    bs = cfg.block_size
+    alloc = _Blocks()
+    system = alloc.take(1)
+    hot = alloc.take(cfg.hot_prefix_blocks)
+    tool = alloc.take(cfg.tool_prefix_blocks)
+    short_mean = cfg.short_output_median * math.exp(cfg.short_output_sigma**2 / 2.0)
+    t = 0.0
+    for req_id in itertools.count():
+        t += rng.expovariate(cfg.rate)
+        arrival = math.floor(t / cfg.tick_s) * cfg.tick_s if cfg.tick_s > 0 else t
+        u = rng.random()
+        if u < cfg.hot_share + cfg.tool_share:
+            kind, prefix, mean = (
+                ("hot", hot, cfg.hot_suffix_mean)
+                if u < cfg.hot_share
+                else ("tool", tool, cfg.tool_suffix_mean)
+            )
+            ctx = _Context(bs, prefix, len(prefix) * bs)
+            ctx.extend(_lognormal_int(rng, mean, cfg.suffix_sigma, 1, cfg.prompt_max), alloc)
+            out = _lognormal_int(rng, short_mean, cfg.short_output_sigma, 1, cfg.output_max)
+        else:
+            kind = "chat"
+            ctx = _Context(bs, system, bs)
+            ctx.extend(
+                _lognormal_int(rng, cfg.chat_prompt_mean, cfg.chat_prompt_sigma, 1, cfg.prompt_max), alloc
+            )
+            out = _lognormal_int(rng, cfg.chat_output_mean, cfg.chat_output_sigma, 1, cfg.output_max)
+        yield Request(req_id, arrival, ctx.tokens, out, tuple(ctx.blocks), bs, -1, None, kind)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 def _mixed(cfg: MixedConfig, rng: random.Random) -> Iterator[Request]:
     bs = cfg.block_size
     alloc = _Blocks()
@@ -703,6 +791,7 @@ WORKLOADS: dict[str, type[WorkloadConfig]] = {
         ApiConfig,
         AgentConfig,
         HotPrefixConfig,
+        HotTraceConfig,
         MixedConfig,
     )
 }

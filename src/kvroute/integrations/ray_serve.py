@@ -106,7 +106,7 @@ class KVRouteRequestRouter(RequestRouter):
     """See the module docstring. Attributes for tests and logs: ``core`` (the :class:`RoutingCore`,
     its ``kv`` the KV view), ``inflight``, ``last_decision``, ``decisions``, ``syncs``."""
 
-    def initialize_state(
+    def initialize_state(  # type: ignore[override]  # Ray passes request_router_kwargs by name
         self,
         policy: str = "lmetric",
         features: Mapping[str, Any] | None = None,

@@ -7,8 +7,9 @@ Decorate it where it is deployed (``serve.deployment(EmulatedEngine)``), as the 
 do, so that Ray is imported only there.
 
 ``__call__(body)`` is a generator (call the handle with ``.options(stream=True)``): it yields the
-first token as ``{"id", "text", "first": True}``, then one item with the rest of the text and
-``usage`` (with ``prompt_tokens_details.cached_tokens``) when the request finishes. Two items,
+first token as ``{"id", "text", "first": True}``, then one item with the rest of the text,
+``usage`` (with ``prompt_tokens_details.cached_tokens``) and ``replica`` (the replica's unique id)
+when the request finishes. Two items,
 not one per token: each streamed item is a Ray object transfer, and per-token items would measure
 Ray's overhead on a small machine rather than the routing. A malformed body yields one
 ``{"error": {...}, "status": 4xx}`` item (the emulator's OpenAI error JSON).
@@ -146,7 +147,8 @@ class EmulatedEngine:
                 "total_tokens": len(req.prompt_ids) + req.max_tokens,
                 "prompt_tokens_details": {"cached_tokens": cached},
             }
-            yield {"id": rid, "text": self._text(sent, req.max_tokens), "usage": usage}
+            replica = serve.get_replica_context().replica_id.unique_id
+            yield {"id": rid, "text": self._text(sent, req.max_tokens), "usage": usage, "replica": replica}
         finally:
             if not done:
                 self.driver.abort(rid)

@@ -147,6 +147,7 @@ class KVRouteRequestRouter(RequestRouter):
         self._zmq: Any = None
         self._background: asyncio.Task[None] | None = None
         self._state = state
+        self._sync_failing = False
         if state is None and share_state:
             dep = self._deployment_id
             self._state = state_actor(dep.app_name if dep else None, dep.name if dep else None)
@@ -298,12 +299,24 @@ class KVRouteRequestRouter(RequestRouter):
             self._background = asyncio.get_running_loop().create_task(self._sync_loop())
 
     async def _sync_loop(self) -> None:
-        while True:
-            now = self._get_curr_time_s()
-            self.inflight.expire(now)
-            if self._state is not None:
-                await self._sync_once()
-            await asyncio.sleep(self.sync_interval_s)
+        try:
+            while ray.is_initialized():  # after ray.shutdown() a call would start a new Ray: stop
+                now = self._get_curr_time_s()
+                self.inflight.expire(now)
+                if self._state is not None:
+                    await self._sync_once()
+                await asyncio.sleep(self.sync_interval_s)
+        finally:
+            self._close_subscribers()
+
+    def _close_subscribers(self) -> None:
+        """Stop following KV events (Ray is gone): cancel the subscribers, close their sockets."""
+        for task in self._subscribers.values():
+            task.cancel()
+        self._subscribers.clear()
+        if self._zmq is not None:
+            self._zmq.destroy(linger=0)
+            self._zmq = None
 
     async def _sync_once(self) -> None:
         outbox, self._outbox = self._outbox, []
@@ -311,10 +324,17 @@ class KVRouteRequestRouter(RequestRouter):
             cursor, news, others = await self._state.sync.remote(
                 self.name, self._cursor, outbox, self.inflight.load()
             )
-        except Exception as exc:  # the actor restarts or is gone: keep deciding on local state
-            log.warning("kvroute shared routing state unavailable: %s", exc)
+        except ray.exceptions.ActorDiedError:  # gone for good (serve.shutdown): local state from now on
+            log.info("kvroute shared routing state is gone; this router continues alone")
+            self._state = None
+            return
+        except Exception as exc:  # unavailable for now: keep deciding on local state, retry
+            if not self._sync_failing:
+                log.warning("kvroute shared routing state unavailable: %s", exc)
+            self._sync_failing = True
             self._outbox = outbox + self._outbox
             return
+        self._sync_failing = False
         self._cursor = cursor
         self._others = {rid: rows for rid, rows in others.items() if rid in self._index}
         kv = self.core.kv

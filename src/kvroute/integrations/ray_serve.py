@@ -106,7 +106,11 @@ class KVRouteRequestRouter(RequestRouter):
     """See the module docstring. Attributes for tests and logs: ``core`` (the :class:`RoutingCore`,
     its ``kv`` the KV view), ``inflight``, ``last_decision``, ``decisions``, ``syncs``."""
 
-    def initialize_state(  # type: ignore[override]  # Ray passes request_router_kwargs by name
+    def initialize_state(self, **kwargs: Any) -> None:
+        """Ray calls this with ``request_router_kwargs`` (see :meth:`setup` for the names)."""
+        self.setup(**kwargs)
+
+    def setup(
         self,
         policy: str = "lmetric",
         features: Mapping[str, Any] | None = None,

@@ -37,6 +37,7 @@ from kvroute.emulator.server import FILLER_WORDS
 from kvroute.engine import cost as costmod
 from kvroute.engine.model import EngineModel
 from kvroute.engine.types import EngineConfig, EngineRequest, OutputKind
+from kvroute.integrations.prompts import body_of
 from kvroute.tokenizer import load_tokenizer
 
 __all__ = ["EmulatedEngine"]
@@ -102,6 +103,9 @@ class EmulatedEngine:
             self._started = True
 
     def _parse(self, body: Any) -> GenerateRequest:
+        if not isinstance(body, dict):  # a pydantic request (Ray Serve LLM passes those) or similar
+            found = body_of([body], {})
+            body = dict(found) if found is not None else body
         if isinstance(body, dict) and "messages" in body:
             return parse_chat(
                 body, self.tokenizer, self.model_name, self.config.max_model_len, self.default_max_tokens

@@ -52,6 +52,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--jobs", type=int, default=DEFAULT_JOBS, help=f"worker processes (default {DEFAULT_JOBS})"
     )
     p.add_argument(
+        "--executor",
+        default="local",
+        help="where simulations run: local (--jobs worker processes, default) or ray[:ADDRESS] "
+        "(one Ray task each; a local Ray without ADDRESS; needs kvroute[ray])",
+    )
+    p.add_argument(
         "--out", default=None, help="output folder (default compare-out; paper: docs/results/paper)"
     )
     p.add_argument("--preset", choices=PRESETS, help="paper: the paper's evaluation (ignores workload flags)")
@@ -267,9 +273,22 @@ def run(args: argparse.Namespace) -> int:
     return run_compare(args)
 
 
+def _runner(args: argparse.Namespace, on_done: Any) -> Any:
+    """The spec runner ``--executor`` names (SpecRunner or RaySpecRunner; same interface)."""
+    from kvroute.integrations.ray_tasks import parse_executor
+    from kvroute.sim.compare import SpecRunner
+
+    kind, address = parse_executor(args.executor)
+    if kind == "ray":
+        from kvroute.integrations.ray_tasks import RaySpecRunner
+
+        return RaySpecRunner(address, on_done)
+    return SpecRunner(args.jobs, on_done)
+
+
 def run_compare(args: argparse.Namespace) -> int:
     from kvroute.commands.sim import spec_from_args
-    from kvroute.sim.compare import SpecRunner, expand_grid, reference_setting
+    from kvroute.sim.compare import expand_grid, reference_setting
 
     if args.trace is None and args.workload is None:
         raise UserError("give --trace FILE or --workload NAME (or --preset paper)")
@@ -290,7 +309,7 @@ def run_compare(args: argparse.Namespace) -> int:
     out_dir = Path(args.out or "compare-out")
     make_dir(out_dir)
     t0 = time.perf_counter()
-    with SpecRunner(args.jobs, _on_done(not args.no_progress, len(specs))) as runner:
+    with _runner(args, _on_done(not args.no_progress, len(specs))) as runner:
         runs = runner.run(specs)
     meta = {
         "workload": args.trace or args.workload,
@@ -383,7 +402,7 @@ def machine() -> str:
 
 def run_paper_preset(args: argparse.Namespace) -> int:
     from kvroute.commands.sim import write_json
-    from kvroute.sim.compare import SpecRunner, paper_plan, run_paper
+    from kvroute.sim.compare import paper_plan, run_paper
 
     for flag, value in (
         ("--trace", args.trace),
@@ -409,7 +428,7 @@ def run_paper_preset(args: argparse.Namespace) -> int:
     plan = paper_plan(str(trace) if trace else None, args.duration)
     make_dir(out_dir)
     t0 = time.perf_counter()
-    with SpecRunner(args.jobs, _on_done(not args.no_progress)) as runner:
+    with _runner(args, _on_done(not args.no_progress)) as runner:
         result = run_paper(plan, runner.run, note=lambda s: print(s, flush=True))
     wall = time.perf_counter() - t0
     command = "kvroute compare --preset paper " + " ".join(

@@ -1,0 +1,293 @@
+"""kvroute's router in Ray Serve, against Ray's own routers, on a laptop.
+
+Starts a local Ray (``--num-cpus``, default 2) and a Serve app whose deployment runs kvroute's
+emulated engine (:class:`kvroute.integrations.ray_engine.EmulatedEngine`: the engine model of
+``kvroute engine``, on the wall clock) in ``--replicas`` replicas, then replays one multi-turn chat
+workload through the deployment's handle once per router:
+
+- ``kvroute``: :class:`kvroute.integrations.ray_serve.KVRouteRequestRouter` (``lmetric``);
+- ``ray-default``: Ray Serve's default (power of two choices);
+- ``ray-prefix``: Ray Serve LLM's ``PrefixCacheAffinityRouter``, when it imports here (it needs no
+  GPU library; its public module also pulls ``pyarrow``, so the internal module is tried as well).
+
+The workload (seeded): ``--conversations`` chats start as a Poisson process at ``--rate`` per second;
+each has ``--turns`` turns separated by an exponential think time (mean ``--think`` s). A chat's
+system prompt is one of ``--system-prompts`` shared prompts (about 300 tokens), its user messages
+200-500 words, so a conversation's own history dominates its prompt; every request asks for ``--max-tokens`` tokens. The replicas' KV pools are small
+(``--kv-blocks``, 16-token blocks) so that caches fill up and where a turn goes matters.
+
+TTFT is measured by the client: from the handle call to the first streamed item (so it includes the
+routing decision and Ray's transport). KV hit rate = prompt tokens served from cache (the engine's
+``cached_tokens``) / all prompt tokens. ``--json FILE`` writes
+``{"routers": {NAME: {"requests", "kv_hit_rate", "ttft_ms": {"mean", "p99"}, "per_replica"}}, ...}``.
+
+Run: ``PYTHONPATH=src python examples/ray_serve/app.py --replicas 2`` (after ``pip install -e '.[ray]'``:
+``python examples/ray_serve/app.py``). About two minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import platform
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+WORDS = [
+    "river",
+    "stone",
+    "light",
+    "garden",
+    "window",
+    "paper",
+    "silver",
+    "market",
+    "winter",
+    "engine",
+    "forest",
+    "signal",
+    "harbor",
+    "letter",
+    "mountain",
+    "pocket",
+    "thunder",
+    "candle",
+    "bridge",
+    "orchard",
+    "lantern",
+    "meadow",
+    "compass",
+    "anchor",
+    "velvet",
+]
+
+
+@dataclass
+class Turn:
+    conversation: int
+    at: float = 0.0
+    ttft_s: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    replica: str = ""
+
+
+@dataclass
+class Chat:
+    """One conversation: its start time, system prompt, user messages and think times (seconds)."""
+
+    index: int
+    start: float
+    system: str
+    users: list[str]
+    thinks: list[float]
+    turns: list[Turn] = field(default_factory=list)
+
+
+def workload(args: argparse.Namespace) -> list[Chat]:
+    rng = random.Random(args.seed)
+    systems = [
+        f"System prompt {k}. " + " ".join(rng.choice(WORDS) for _ in range(300))
+        for k in range(args.system_prompts)
+    ]
+    chats, t = [], 0.0
+    for i in range(args.conversations):
+        t += rng.expovariate(args.rate)
+        users = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(200, 500))) for _ in range(args.turns)]
+        thinks = [rng.expovariate(1.0 / args.think) for _ in range(args.turns)]
+        chats.append(Chat(i, t, systems[i % len(systems)], users, thinks))
+    return chats
+
+
+class ChatBody:
+    """The request as Ray Serve LLM passes it: attributes (its router reads ``.messages``) and
+    ``model_dump()`` (kvroute's router and the engine read the dict)."""
+
+    def __init__(self, messages: list[dict[str, str]], max_tokens: int) -> None:
+        self.messages = messages
+        self.max_tokens = max_tokens
+
+    def model_dump(self) -> dict[str, Any]:
+        return {"messages": self.messages, "max_tokens": self.max_tokens}
+
+
+async def run_chat(handle: Any, chat: Chat, max_tokens: int, t0: float) -> None:
+    await asyncio.sleep(max(0.0, t0 + chat.start - time.perf_counter()))
+    msgs = [{"role": "system", "content": chat.system}]
+    for user, think in zip(chat.users, chat.thinks, strict=True):
+        msgs.append({"role": "user", "content": user})
+        turn = Turn(chat.index, time.perf_counter() - t0)
+        start = time.perf_counter()
+        last: dict[str, Any] = {}
+        async for item in handle.options(stream=True).remote(ChatBody(list(msgs), max_tokens)):
+            if item.get("first"):
+                turn.ttft_s = time.perf_counter() - start
+            last = item
+        if "error" in last:
+            raise RuntimeError(f"request failed: {last}")
+        usage = last["usage"]
+        turn.prompt_tokens = usage["prompt_tokens"]
+        turn.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+        turn.replica = last["replica"]
+        chat.turns.append(turn)
+        msgs.append({"role": "assistant", "content": last["text"]})
+        await asyncio.sleep(think)
+
+
+def router_classes() -> tuple[dict[str, Any], str | None]:
+    """name → request_router_class (None: Ray's default); and why ray-prefix is missing, if it is."""
+    from kvroute.integrations.ray_serve import KVRouteRequestRouter
+
+    out: dict[str, Any] = {"kvroute": KVRouteRequestRouter, "ray-default": None}
+    try:
+        from ray.serve.llm.request_router import PrefixCacheAffinityRouter
+
+        out["ray-prefix"] = PrefixCacheAffinityRouter
+        return out, None
+    except ImportError:
+        pass
+    try:  # the same class; its public module also imports Ray Serve LLM's configs (pyarrow)
+        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
+            PrefixCacheAffinityRouter as Internal,
+        )
+
+        out["ray-prefix"] = Internal
+        return out, None
+    except ImportError as exc:
+        return out, f"ray-prefix skipped: Ray Serve LLM's router does not import here ({exc})"
+
+
+def deploy(args: argparse.Namespace, name: str, router: Any) -> Any:
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from kvroute.integrations.ray_engine import EmulatedEngine
+
+    cfg = RequestRouterConfig(request_routing_stats_period_s=0.5)
+    if router is not None:
+        cfg = RequestRouterConfig(request_router_class=router, request_routing_stats_period_s=0.5)
+    dep = serve.deployment(
+        EmulatedEngine,
+        name="engine",
+        num_replicas=args.replicas,
+        max_ongoing_requests=256,
+        ray_actor_options={"num_cpus": 0},
+        request_router_config=cfg,
+    )
+    # One app per router: a process keeps a deployment's handle router across redeploys of one name.
+    return serve.run(dep.bind(kv_blocks=args.kv_blocks), name=f"example-{name}", route_prefix=None)
+
+
+def summarize(chats: list[Chat], wall_s: float) -> dict[str, Any]:
+    turns = [t for c in chats for t in c.turns]
+    ttft = sorted(t.ttft_s * 1000 for t in turns)
+    p99 = ttft[min(len(ttft) - 1, math.ceil(0.99 * len(ttft)) - 1)]
+    per_replica: dict[str, int] = {}
+    for t in turns:
+        per_replica[t.replica] = per_replica.get(t.replica, 0) + 1
+    return {
+        "requests": len(turns),
+        "kv_hit_rate": sum(t.cached_tokens for t in turns) / max(1, sum(t.prompt_tokens for t in turns)),
+        "ttft_ms": {"mean": sum(ttft) / len(ttft), "p99": p99},
+        "per_replica": sorted(per_replica.values(), reverse=True),
+        "wall_seconds": wall_s,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--conversations", type=int, default=20)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--rate", type=float, default=1.0, help="new conversations per second")
+    p.add_argument("--think", type=float, default=1.5, help="mean think time between turns (s)")
+    p.add_argument("--system-prompts", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--kv-blocks", type=int, default=1024, help="KV pool per replica, 16-token blocks")
+    p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray")
+    p.add_argument("--routers", default=None, help="comma-separated subset of kvroute,ray-default,ray-prefix")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+    if args.replicas < 1 or args.conversations < 1 or args.turns < 1 or args.rate <= 0:
+        print("error: --replicas, --conversations, --turns and --rate must be positive", file=sys.stderr)
+        return 2
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        print("error: this example needs Ray: pip install -e '.[ray]'", file=sys.stderr)
+        return 2
+    classes, note = router_classes()
+    names = list(classes)
+    if args.routers:
+        names = [n.strip() for n in args.routers.split(",") if n.strip()]
+        unknown = [n for n in names if n not in classes]
+        if unknown:
+            print(
+                f"error: unknown or unavailable router(s) {unknown}; available: {list(classes)}",
+                file=sys.stderr,
+            )
+            return 2
+    if note:
+        print(note)
+    ray.init(
+        num_cpus=args.num_cpus, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False
+    )
+    results: dict[str, Any] = {}
+    try:
+        for name in names:
+            handle = deploy(args, name, classes[name])
+            chats = workload(args)
+            warm = Chat(-1, 0.0, "warm-up", ["warm-up"], [0.0])  # Ray builds the router on first use
+            asyncio.run(run_chat(handle, warm, 1, time.perf_counter()))
+            used = type(handle._router._asyncio_router.request_router).__name__  # private: a check only
+            print(f"{name}: routing with {used}", flush=True)
+
+            async def replay(h: Any = handle, cs: list[Chat] = chats) -> None:
+                t0 = time.perf_counter()
+                await asyncio.gather(*(run_chat(h, c, args.max_tokens, t0) for c in cs))
+
+            t0 = time.perf_counter()
+            asyncio.run(replay())
+            results[name] = summarize(chats, time.perf_counter() - t0)
+            print(f"{name}: done in {results[name]['wall_seconds']:.1f} s", flush=True)
+            serve.delete(f"example-{name}")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print()
+    print("| router | requests | TTFT mean (ms) | TTFT p99 (ms) | KV hit rate | requests per replica |")
+    print("|---|---:|---:|---:|---:|---|")
+    for name, r in results.items():
+        counts = " / ".join(str(n) for n in r["per_replica"])
+        print(
+            f"| {name} | {r['requests']} | {r['ttft_ms']['mean']:.1f} | {r['ttft_ms']['p99']:.1f} "
+            f"| {r['kv_hit_rate']:.3f} | {counts} |"
+        )
+    if args.json:
+        doc = {
+            "routers": results,
+            "settings": {k: v for k, v in vars(args).items() if k != "json"},
+            "machine": {
+                "cpus": args.num_cpus,
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+            },
+            "command": "python examples/ray_serve/app.py "
+            + " ".join(argv if argv is not None else sys.argv[1:]),
+        }
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,349 @@
+"""kvroute's routing core as a Ray Serve request router (extra ``kvroute[ray]``).
+
+Use it per deployment::
+
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+    from kvroute.integrations.ray_serve import KVRouteRequestRouter
+
+    @serve.deployment(
+        num_replicas=4,
+        request_router_config=RequestRouterConfig(
+            request_router_class=KVRouteRequestRouter,
+            request_router_kwargs={"policy": "lmetric", "features": {"hotspot": True}},
+            request_routing_stats_period_s=0.5,
+        ),
+    )
+    class Model: ...
+
+and call the deployment's handle with the OpenAI body (a dict, or a pydantic request as Ray Serve
+LLM's ingress passes it) as the first argument. Ray Serve's HTTP proxy hands routers no body, so a
+deployment reached straight from HTTP is routed by load alone; route at the handle hop behind an
+ingress deployment, as Ray Serve LLM does.
+
+How it follows Ray's own routers (``PowerOfTwoChoicesRequestRouter``, Ray Serve LLM's
+``PrefixCacheAffinityRouter``) and its custom-router guide:
+
+- :meth:`choose_replicas` returns ranks, best first: one replica per rank in the order of the
+  core's :attr:`Decision.order`, so Ray's own queue-length check and back-off still apply (a full
+  replica is skipped for the next one).
+- ``request_router_kwargs`` reach :meth:`initialize_state`: ``policy`` (any registry name,
+  default ``lmetric``), ``features`` (the design's features as in a router YAML file's ``features``
+  section, e.g. ``{"hotspot": true, "limits": {"p_token_cap": 8192}}``), ``block_size``,
+  ``tokenizer`` (a ``tokenizer.json`` path; default: the bundled Qwen3 tokenizer), the approximate
+  KV view's ``approx_capacity_blocks`` / ``approx_ttl_s``, ``kv_recovery_s``, ``sync_interval_s``
+  (shared-state period, seconds), ``reservation_ttl_s``, ``share_state`` (False: this router alone),
+  ``seed`` (random policies).
+- ``on_request_routed`` / ``on_request_completed`` / ``on_replica_actor_died`` /
+  ``update_replicas`` keep the in-flight accounting (:mod:`kvroute.integrations.inflight`) and the KV
+  view's membership.
+- Replicas report load through ``record_routing_stats`` (keys in
+  :data:`kvroute.integrations.inflight.STAT_KEYS`; :mod:`kvroute.integrations.ray_engine` is an
+  example): ``running``, ``waiting``, ``queued_prefill_tokens``, ``kv_usage``,
+  ``kv_capacity_blocks``, ``time``; ``usage``: ``[[internal_request_id, cached_tokens], ...]`` of
+  recently finished requests (corrects the approximate view, as ``usage.prompt_tokens_details.cached_tokens``
+  does in the live router); ``kv_events_endpoint`` (and ``kv_events_replay_endpoint``): a vLLM-style
+  ZMQ KV event stream, which makes that replica's view exact (:class:`KVView`).
+- State the routers of one deployment share (routing history, in-flight load) lives in a named,
+  detached actor per deployment (:mod:`kvroute.integrations.ray_state`; namespace
+  ``serve::<app>::<deployment>``, registered for clean-up on ``serve.shutdown()``, as Ray Serve LLM
+  does with its prefix tree actor). Unlike that router, no decision waits on the actor: a background
+  task exchanges news every ``sync_interval_s``; decisions read the local copy.
+
+A quota refusal (feature ``quota``) cannot be returned by a Ray router (it has no "refuse"); the
+request then goes by Ray's queue lengths alone. Put quotas in the ingress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import ray
+from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+
+from kvroute.integrations.inflight import InFlight, instance_view
+from kvroute.integrations.prompts import PromptChains, body_of
+from kvroute.integrations.ray_state import Load, Routed, SharedRoutingState
+from kvroute.routing.core import Decision, RouteRequest, RoutingCore, build_policy
+from kvroute.routing.kvview import KVView
+from kvroute.server.tokenize import RequestTokenizer
+from kvroute.tokenizer import load_tokenizer
+
+__all__ = ["STATE_ACTOR_NAME", "KVRouteRequestRouter", "state_actor"]
+
+log = logging.getLogger("kvroute.integrations.ray_serve")
+
+STATE_ACTOR_NAME = "KVRouteRoutingState"
+_PREDICTIONS = 4096  # request ids remembered for the cached_tokens correction
+
+
+def state_actor(app: str | None, deployment: str | None) -> Any:
+    """The deployment's shared-state actor (created on first use; ``get_if_exists``). Non-blocking:
+    returns the handle at once. Registered with the Serve controller for clean-up when it exists."""
+    namespace = "::".join([SERVE_NAMESPACE, *(p for p in (app, deployment) if p)])
+    actor = (
+        ray.remote(SharedRoutingState)
+        .options(
+            name=STATE_ACTOR_NAME, namespace=namespace, get_if_exists=True, lifetime="detached", num_cpus=0
+        )
+        .remote()
+    )
+    with contextlib.suppress(ValueError):  # no Serve controller (a test's bare router)
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        controller._register_shutdown_cleanup_actor.remote(actor)  # fire and forget
+    return actor
+
+
+class KVRouteRequestRouter(RequestRouter):
+    """See the module docstring. Attributes for tests and logs: ``core`` (the :class:`RoutingCore`,
+    its ``kv`` the KV view), ``inflight``, ``last_decision``, ``decisions``, ``syncs``."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        """Ray calls this with ``request_router_kwargs`` (see :meth:`setup` for the names)."""
+        self.setup(**kwargs)
+
+    def setup(
+        self,
+        policy: str = "lmetric",
+        features: Mapping[str, Any] | None = None,
+        block_size: int = 16,
+        tokenizer: str | None = None,
+        approx_capacity_blocks: int = 16384,
+        approx_ttl_s: float | None = None,
+        kv_recovery_s: float = 5.0,
+        sync_interval_s: float = 0.05,
+        reservation_ttl_s: float = 60.0,
+        share_state: bool = True,
+        seed: int = 0,
+        state: Any = None,
+    ) -> None:
+        """Build the core from ``request_router_kwargs`` (module docstring); ``state``: a shared-state
+        actor handle to use instead of the deployment's (tests). Raises UserError for a bad policy,
+        feature or tokenizer."""
+        from kvroute.commands.settings import features_from_mapping
+
+        feats = features_from_mapping(features, "request_router_kwargs") if features else None
+        kv = KVView(0, block_size, approx_capacity_blocks, approx_ttl_s, kv_recovery_s)
+        self.core = RoutingCore(build_policy(policy, feats, random.Random(seed)), kv)
+        self.prompts = PromptChains(RequestTokenizer(load_tokenizer(tokenizer)), block_size)
+        self.inflight = InFlight(reservation_ttl_s)
+        self.sync_interval_s = sync_interval_s
+        self.name = uuid.uuid4().hex
+        self.decisions = 0
+        self.syncs = 0
+        self.last_decision: Decision | None = None
+        self._index: dict[str, int] = {}  # full replica id → KV view index (never reused)
+        self._chosen: dict[str, tuple[RouteRequest, Decision]] = {}  # internal request id → decision
+        self._predictions: OrderedDict[str, tuple[int, tuple[int, ...], int]] = OrderedDict()
+        self._stats_seen: dict[str, object] = {}
+        self._others: Load = {}
+        self._outbox: list[Routed] = []
+        self._cursor = 0
+        self._subscribers: dict[str, asyncio.Task[None]] = {}
+        self._zmq: Any = None
+        self._background: asyncio.Task[None] | None = None
+        self._state = state
+        self._sync_failing = False
+        if state is None and share_state:
+            dep = self._deployment_id
+            self._state = state_actor(dep.app_name if dep else None, dep.name if dep else None)
+
+    # ---- the decision -------------------------------------------------------------------------
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        """Rank ``candidate_replicas`` with the core: one replica per rank, best first."""
+        if not candidate_replicas:
+            return []
+        self._start_background()
+        now = self._get_curr_time_s()
+        req = RouteRequest(chain=(), prompt_tokens=1)
+        if pending_request is not None:
+            req = self.prompts.route_request(body_of(pending_request.args, pending_request.kwargs))
+        by_index: dict[int, RunningReplica] = {}
+        views = []
+        mine = self.inflight.load()
+        done = self.inflight.completed()
+        for r in candidate_replicas:
+            rid = r.replica_id.to_full_id_str()
+            idx = self._index_of(rid)
+            stats = r.routing_stats or {}
+            self._read_stats(rid, idx, stats, now)
+            by_index[idx] = r
+            load = mine.get(rid, []) + self._others.get(rid, [])
+            views.append(instance_view(idx, stats, load, done.get(rid, [])))
+        decision = self.core.route(req, views, now)
+        self.decisions += 1
+        self.last_decision = decision
+        if decision.instance is None:  # quota refusal: Ray cannot refuse here (module docstring)
+            return [candidate_replicas]
+        order = [by_index[i] for i in decision.order]
+        if pending_request is not None:
+            key = pending_request.metadata.internal_request_id
+            first = decision.order[0]
+            self.inflight.reserve(key, order[0].replica_id.to_full_id_str(), decision.new_prefill(first), now)
+            self._chosen[key] = (req, decision)
+            if not self._use_replica_queue_len_cache:  # Ray calls no on_request_routed then
+                self._record_routed(pending_request, order[0].replica_id, now)
+        return [[r] for r in order]
+
+    # ---- Ray's hooks ---------------------------------------------------------------------------
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
+    ) -> None:
+        """Ray sent the request to ``replica_id``: move its reservation there, record the history."""
+        self._record_routed(pending_request, replica_id, self._get_curr_time_s())
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """The request ended (success, error or rejection): it no longer counts as load."""
+        self.inflight.release(internal_request_id, self._get_curr_time_s())
+        self._chosen.pop(internal_request_id, None)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        """Drop the replica from the candidates, the KV view and the load."""
+        super().on_replica_actor_died(replica_id)
+        self._forget(replica_id.to_full_id_str())
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Ray's replica list changed: forget the replicas that left (new ones join on first sight)."""
+        super().update_replicas(replicas)
+        alive = {r.replica_id.to_full_id_str() for r in replicas}
+        for rid in [rid for rid in self._index if rid not in alive]:
+            self._forget(rid)
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+
+    def _index_of(self, rid: str) -> int:
+        idx = self._index.get(rid)
+        if idx is None:
+            idx = self._index[rid] = self.core.kv.add_backend(exact=False)
+        return idx
+
+    def _forget(self, rid: str) -> None:
+        idx = self._index.pop(rid, None)
+        if idx is not None:
+            self.core.kv.remove_backend(idx)
+        self.inflight.drop_replica(rid)
+        self._others.pop(rid, None)
+        self._stats_seen.pop(rid, None)
+        task = self._subscribers.pop(rid, None)
+        if task is not None:
+            task.cancel()
+
+    def _record_routed(self, pr: PendingRequest, replica_id: ReplicaID, now: float) -> None:
+        rid = replica_id.to_full_id_str()
+        idx = self._index.get(rid)
+        chosen = self._chosen.get(pr.metadata.internal_request_id)
+        if idx is None or chosen is None:
+            return
+        req, decision = chosen
+        self.inflight.move(pr.metadata.internal_request_id, rid, decision.new_prefill(idx), now)
+        if not req.chain:
+            return
+        self.core.kv.on_routed(idx, req.chain, now)
+        if self._state is not None:
+            self._outbox.append((rid, req.chain, now))
+        preds = self._predictions
+        preds[pr.metadata.internal_request_id] = (
+            idx,
+            req.chain,
+            decision.cached_on(idx) // self.core.block_size,
+        )
+        while len(preds) > _PREDICTIONS:
+            preds.popitem(last=False)
+
+    def _read_stats(self, rid: str, idx: int, stats: Mapping[str, Any], now: float) -> None:
+        """New stats from ``rid``: apply its cached-token reports, follow its KV event endpoint."""
+        stamp = stats.get("time")
+        if stamp is None or self._stats_seen.get(rid) == stamp:
+            return
+        self._stats_seen[rid] = stamp
+        for item in stats.get("usage") or ():
+            if not isinstance(item, list | tuple) or len(item) != 2:
+                continue
+            pred = self._predictions.pop(str(item[0]), None)
+            if pred is not None and pred[0] == idx and isinstance(item[1], int):
+                self.core.kv.on_usage(idx, pred[1], item[1], pred[2], now)
+        endpoint = stats.get("kv_events_endpoint")
+        if isinstance(endpoint, str) and rid not in self._subscribers:
+            self._subscribe(rid, idx, endpoint, stats.get("kv_events_replay_endpoint"), now)
+
+    def _subscribe(self, rid: str, idx: int, endpoint: str, replay: Any, now: float) -> None:
+        import zmq.asyncio
+
+        from kvroute.server.events import EventSubscriber
+
+        if self._zmq is None:
+            self._zmq = zmq.asyncio.Context()
+        sub = EventSubscriber(
+            self._zmq,
+            idx,
+            endpoint,
+            replay if isinstance(replay, str) else None,
+            self.core.kv,
+            self._get_curr_time_s,
+        )
+        self.core.kv.set_exact(idx, True, now)
+        self._subscribers[rid] = asyncio.get_running_loop().create_task(sub.run())
+
+    # ---- the shared state, off the decision path ------------------------------------------------
+
+    def _start_background(self) -> None:
+        if self._background is None or self._background.done():
+            self._background = asyncio.get_running_loop().create_task(self._sync_loop())
+
+    async def _sync_loop(self) -> None:
+        try:
+            while ray.is_initialized():  # after ray.shutdown() a call would start a new Ray: stop
+                now = self._get_curr_time_s()
+                self.inflight.expire(now)
+                if self._state is not None:
+                    await self._sync_once()
+                await asyncio.sleep(self.sync_interval_s)
+        finally:
+            self._close_subscribers()
+
+    def _close_subscribers(self) -> None:
+        """Stop following KV events (Ray is gone): cancel the subscribers, close their sockets."""
+        for task in self._subscribers.values():
+            task.cancel()
+        self._subscribers.clear()
+        if self._zmq is not None:
+            self._zmq.destroy(linger=0)
+            self._zmq = None
+
+    async def _sync_once(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        try:
+            cursor, news, others = await self._state.sync.remote(
+                self.name, self._cursor, outbox, self.inflight.load()
+            )
+        except ray.exceptions.ActorDiedError:  # gone for good (serve.shutdown): local state from now on
+            log.info("kvroute shared routing state is gone; this router continues alone")
+            self._state = None
+            return
+        except Exception as exc:  # unavailable for now: keep deciding on local state, retry
+            if not self._sync_failing:
+                log.warning("kvroute shared routing state unavailable: %s", exc)
+            self._sync_failing = True
+            self._outbox = outbox + self._outbox
+            return
+        self._sync_failing = False
+        self._cursor = cursor
+        self._others = {rid: rows for rid, rows in others.items() if rid in self._index}
+        kv = self.core.kv
+        for rid, chain, t in news:
+            idx = self._index.get(rid)
+            if idx is not None and chain:
+                kv.on_routed(idx, chain, t)
+        self.syncs += 1

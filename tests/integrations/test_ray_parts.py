@@ -1,0 +1,96 @@
+"""The Ray adapter's parts that need no Ray: shared state, in-flight accounting, prompts."""
+
+from __future__ import annotations
+
+from kvroute.blocks import hash_blocks
+from kvroute.integrations.inflight import InFlight, instance_view
+from kvroute.integrations.prompts import PromptChains, body_of
+from kvroute.integrations.ray_state import SharedRoutingState
+from kvroute.server.tokenize import RequestTokenizer
+from kvroute.tokenizer import load_tokenizer
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_shared_state_exchanges_history_and_load_between_routers() -> None:
+    clock = Clock()
+    st = SharedRoutingState(history_limit=3, load_ttl_s=10.0, clock=clock)
+    cur_a, news, others = st.sync("a", 0, [("r1", (1, 2), 1.0)], {"r1": [(1.0, 50)]})
+    assert news == [] and others == {}
+    cur_b, news, others = st.sync("b", 0, [], {"r2": [(2.0, 7)]})
+    assert news == [("r1", (1, 2), 1.0)] and others == {"r1": [(1.0, 50)]}
+    _, news, others = st.sync("a", cur_a, [], {})
+    assert news == [] and others == {"r2": [(2.0, 7)]}  # its own entries never come back
+    st.sync("a", cur_a, [("r1", (3,), 3.0), ("r2", (4,), 4.0), ("r1", (5,), 5.0)], {})
+    _, news, _ = st.sync("b", cur_b, [], {})
+    assert [e[1] for e in news] == [(3,), (4,), (5,)]  # bounded journal: the oldest was dropped
+    clock.t += 11  # router "b" stops reporting: its load no longer counts
+    st.sync("a", 0, [], {})
+    _, _, others = st.sync("a", 0, [], {})
+    assert others == {}
+    st.forget_replica("r1")
+    assert all(e[2][0] != "r1" for e in st._log)
+
+
+def test_inflight_reserve_move_release_and_expire() -> None:
+    f = InFlight(ttl_s=5.0)
+    f.reserve("q1", "A", 100, now=1.0)
+    f.reserve("q2", "A", 40, now=1.0)
+    assert f.load() == {"A": [(1.0, 100), (1.0, 40)]}
+    f.move("q1", "B", 90, now=2.0)  # Ray fell back to the decision's second choice
+    assert f.count("A") == 1 and f.count("B") == 1
+    assert f.load()["B"] == [(1.0, 90)]
+    f.release("q1", now=3.0)
+    assert f.completed() == {"B": [(1.0, 3.0, 90)]}
+    assert f.expire(now=7.0) == 1  # q2 was never dispatched: dropped after the TTL
+    assert len(f) == 0 and f.load() == {}
+    f.reserve("q3", "C", 1, now=8.0)
+    f.move("q3", "C", 1, now=8.0)
+    f.drop_replica("C")
+    assert len(f) == 0
+
+
+def test_instance_view_adds_late_requests_and_removes_finished_ones() -> None:
+    stats = {"running": 2, "waiting": 1, "queued_prefill_tokens": 500, "kv_usage": 0.5, "time": 10.0}
+    v = instance_view(3, stats, [(9.0, 100), (11.0, 300)], [(8.0, 12.0, 200), (11.0, 12.0, 50)])
+    # (11.0, 300) is after the snapshot: +1 waiting, +300 queued; (8.0→12.0, 200) is in the
+    # snapshot but done: −1 waiting, −200 queued; (11.0→12.0) was never in the snapshot.
+    assert (v.index, v.running, v.waiting, v.queued_prefill_tokens, v.kv_usage) == (3, 2, 1, 600, 0.5)
+    v = instance_view(0, {"running": 1, "waiting": 0, "time": 10.0}, [], [(9.0, 11.0, 10), (9.5, 11.0, 5)])
+    assert (v.running, v.waiting, v.queued_prefill_tokens) == (0, 0, 0)  # clamped at 0
+    v = instance_view(1, {}, [(1.0, 10), (2.0, 20)])  # no stats: every in-flight request waits
+    assert (v.running, v.waiting, v.queued_prefill_tokens) == (0, 2, 30)
+
+
+class Pydantic:
+    def __init__(self, **kw: object) -> None:
+        self.kw = kw
+
+    def model_dump(self) -> dict[str, object]:
+        return dict(self.kw)
+
+
+def test_prompt_chains_from_chat_completion_and_models() -> None:
+    tok = load_tokenizer()
+    pc = PromptChains(RequestTokenizer(tok), 16)
+    msgs = [{"role": "system", "content": "be brief " * 30}, {"role": "user", "content": "hello " * 20}]
+    req = pc.route_request(body_of([{"messages": msgs, "max_tokens": 7, "user": "u"}], {}))
+    ids = tok.encode_chat(msgs)
+    assert req.prompt_tokens == len(ids) and req.chain == tuple(hash_blocks(ids, 16))
+    assert req.max_tokens == 7 and req.user == "u"
+    same = pc.route_request(body_of([Pydantic(messages=msgs, max_tokens=7)], {}))
+    assert same.chain == req.chain
+    comp = pc.route_request(body_of([], {"body": {"prompt": "one two three " * 40}}))
+    assert comp.prompt_tokens == len(tok.encode("one two three " * 40)) and comp.chain
+    ids_req = pc.route_request({"prompt": list(range(40))})
+    assert ids_req.prompt_tokens == 40 and len(ids_req.chain) == 2
+    for bad in (None, {"messages": "x"}, {"prompt": 3}, {"messages": [{"content": "no role"}]}):
+        r = pc.route_request(bad)
+        assert r.chain == () and r.prompt_tokens == 1  # routed by load; the deployment answers the error
+    assert body_of([object()], {}) is None

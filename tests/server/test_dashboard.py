@@ -14,13 +14,15 @@ import pytest
 
 from kvroute.features.hotspot import HotspotConfig, HotspotDetector
 from kvroute.features.monitor import ScoreMonitor, ScoreMonitorConfig
-from kvroute.server.config import BackendSpec
+from kvroute.server.config import BackendSpec, RouterConfig
 from kvroute.server.dashboard import STATIC_FILES
 from kvroute.server.dashstate import hit_rate, hotspot_view, rate_view, score_view
 from kvroute.server.persecond import PerSecond
 from kvroute.tokenizer import Tokenizer
 
 from .test_observe import AUTH, TOKEN, HeaderEngine, _metric, _router
+
+DEFAULT_POLICY = RouterConfig(backends=()).policy  # what serve/up route with by default
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -157,7 +159,7 @@ async def test_page_is_public_and_its_json_needs_the_token(tokenizer: Tokenizer)
         await router.stop()
         await eng.stop()
     assert state["decisions_total"] == 3 and len(state["decisions"]) == 2
-    assert state["requests_total"] == 3 and state["features"] == [] and state["policy"] == "lmetric"
+    assert state["requests_total"] == 3 and state["features"] == [] and state["policy"] == DEFAULT_POLICY
     assert state["score"] is None and state["hotspot"] is None
     assert len(state["rate"]["per_second"]) == 60 and all(n >= 0 for n in state["rate"]["per_second"])
     (b,) = state["backends"]

@@ -26,9 +26,12 @@ import pytest
 from kvroute.features.hotspot import HotspotConfig
 from kvroute.features.monitor import ScoreMonitorConfig
 from kvroute.features.settings import FeatureConfig
+from kvroute.server.config import RouterConfig
 from kvroute.tokenizer import Tokenizer
 
 from .test_e2e import Cluster, eventually
+
+DEFAULT_POLICY = RouterConfig(backends=()).policy  # what serve/up route with by default
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[2]
@@ -148,7 +151,7 @@ async def test_dashboard_in_chromium(cluster: Cluster, browser: Any, tmp_path: P
     await page.locator("#main").wait_for(state="visible")
     expect = playwright_api.expect  # polls through the DOM (the page's CSP forbids string eval)
     await expect(page.locator("#backends tbody tr")).to_have_count(3)
-    assert await page.inner_text("#policy") == "lmetric+hotspot+monitor"
+    assert await page.inner_text("#policy") == f"{DEFAULT_POLICY}+hotspot+monitor"
     assert await page.inner_text("#decisions-total") == "0"
     assert await texts(page, "#backends td.routed") == ["0", "0", "0"]
 

@@ -22,6 +22,8 @@ from kvroute.tokenizer import Tokenizer
 
 from .test_e2e import Cluster, eventually
 
+DEFAULT_POLICY = RouterConfig(backends=()).policy  # what serve/up route with by default
+
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 SYSTEM = "You are a meticulous assistant who answers in full sentences. " * 30
@@ -101,7 +103,7 @@ async def test_explanations_decisions_metrics_and_shadows(cluster: Cluster, toke
     for _ in range(2):
         await cluster.add_engine(tokenizer, events=True)
     url = await cluster.start_router(
-        tokenizer, admin_token=TOKEN, shadow=("vllm", "round-robin", "lmetric"), decisions_kept=8
+        tokenizer, admin_token=TOKEN, shadow=("vllm", "round-robin", DEFAULT_POLICY), decisions_kept=8
     )
     router = cluster.router
     assert router is not None
@@ -126,7 +128,7 @@ async def test_explanations_decisions_metrics_and_shadows(cluster: Cluster, toke
             h = r.headers
             assert h["x-request-id"] == "turn-2"
             assert h["x-kvroute-backend"] in engines
-            assert h["x-kvroute-policy"] == "lmetric" and h["x-kvroute-reason"] == "policy"
+            assert h["x-kvroute-policy"] == DEFAULT_POLICY and h["x-kvroute-reason"] == "policy"
             assert float(h["x-kvroute-score"]) >= 0 and h["x-kvroute-retries"] == "0"
             expected = int(h["x-kvroute-cached-tokens"])
             assert expected >= len(SYSTEM) // 8  # the system prompt's blocks were predicted cached
@@ -166,20 +168,20 @@ async def test_explanations_decisions_metrics_and_shadows(cluster: Cluster, toke
     assert out["cached_error"] == real - expected
     assert 0 < out["added_ttfb_ms"] <= out["ttft_ms"] <= out["e2e_ms"]
     shadows = {p["policy"]: p for p in latest["shadow"]}
-    assert set(shadows) == {"vllm", "round-robin", "lmetric"}
-    assert shadows["lmetric"]["agree"] and shadows["lmetric"]["score_diff"] == 0
+    assert set(shadows) == {"vllm", "round-robin", DEFAULT_POLICY}
+    assert shadows[DEFAULT_POLICY]["agree"] and shadows[DEFAULT_POLICY]["score_diff"] == 0
 
     text = render_metrics(router.registry).decode()
     used = h["x-kvroute-backend"]
-    assert _metric(text, "kvroute_request_e2e_seconds_count", backend=used, policy="lmetric") >= 1
-    assert _metric(text, "kvroute_request_routing_seconds_count", policy="lmetric") >= 1
+    assert _metric(text, "kvroute_request_e2e_seconds_count", backend=used, policy=DEFAULT_POLICY) >= 1
+    assert _metric(text, "kvroute_request_routing_seconds_count", policy=DEFAULT_POLICY) >= 1
     assert _metric(text, "kvroute_request_added_ttfb_seconds_count", backend=used) >= 1
     assert _metric(text, "kvroute_request_ttft_seconds_count", backend=used) >= 1
     assert _metric(text, "kvroute_cached_tokens_error_bucket", backend=used, le="+Inf") >= 1
     assert _metric(text, "kvroute_cached_tokens_real_total", backend=used) >= real
     assert _metric(text, "kvroute_shadow_decisions_total", shadow="vllm") == 2
-    assert _metric(text, "kvroute_shadow_agreements_total", shadow="lmetric") == 2
-    assert _metric(text, "kvroute_shadow_mean_score_diff", shadow="lmetric") == 0
+    assert _metric(text, "kvroute_shadow_agreements_total", shadow=DEFAULT_POLICY) == 2
+    assert _metric(text, "kvroute_shadow_mean_score_diff", shadow=DEFAULT_POLICY) == 0
 
 
 async def test_debug_routes_need_a_token_and_explain_flag(tokenizer: Tokenizer, tmp_path: Path) -> None:
@@ -289,7 +291,7 @@ async def test_otel_spans_and_traceparent(tokenizer: Tokenizer) -> None:
     assert server.parent is not None and f"{server.parent.span_id:016x}" == client_span
     assert upstream.parent is not None and upstream.parent.span_id == server.context.span_id
     attrs = dict(server.attributes or {})
-    assert attrs["kvroute.backend"] == eng.url and attrs["kvroute.policy"] == "lmetric"
+    assert attrs["kvroute.backend"] == eng.url and attrs["kvroute.policy"] == DEFAULT_POLICY
     assert attrs["kvroute.reason"] == "policy" and attrs["kvroute.request_id"] == "traced"
     assert attrs["kvroute.cached_tokens_expected"] == 0 and attrs["kvroute.prompt_tokens"] > 0
     assert attrs["kvroute.cached_tokens"] == 0 and attrs["http.response.status_code"] == 200

@@ -128,7 +128,7 @@ class KVRouteRequestRouter(RequestRouter):
         """Build the core from ``request_router_kwargs`` (module docstring); ``state``: a shared-state
         actor handle to use instead of the deployment's (tests). Raises UserError for a bad policy,
         feature or tokenizer."""
-        from kvroute.commands.settings import features_from_mapping
+        from kvroute.features.mapping import features_from_mapping
 
         feats = features_from_mapping(features, "request_router_kwargs") if features else None
         kv = KVView(0, block_size, approx_capacity_blocks, approx_ttl_s, kv_recovery_s)

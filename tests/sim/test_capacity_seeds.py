@@ -8,6 +8,7 @@ import math
 import shlex
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -349,3 +350,36 @@ def test_seed_preset_arms_run_with_and_without_caching() -> None:
     assert all(not s.prefix_caching for s in fake.specs[: len(w["saturation"]["probes"])])
     with pytest.raises(UserError, match="reference"):
         replace(p, policies=("vllm", "lmetric")).check()
+
+
+def test_plain_compare_reports_capacity_at_the_given_slo(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from kvroute.cli import main
+
+    argv = ["compare", "--workload", "chatbot", "--duration", "20", "--instances", "2", "--no-progress"]
+    argv += [
+        "--policies",
+        "vllm,lmetric",
+        "--rate-scales",
+        "0.5",
+        "--out",
+        str(tmp_path / "o"),
+        "--jobs",
+        "1",
+    ]
+    assert main([*argv, "--slo-ttft-ms", "300"]) == 2
+    assert "give both --slo-ttft-ms and --slo-tpot-ms" in capsys.readouterr().err
+    assert main([*argv, "--slo-ttft-ms", "300", "--slo-tpot-ms", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "### capacity at TTFT p99 ≤ 300 ms and TPOT p99 ≤ 40 ms" in out
+    saved = json.loads((tmp_path / "o" / "results.json").read_text())
+    caps = saved["capacity"]["policies"]
+    assert set(caps) == {"vllm", "lmetric"}
+    for c in caps.values():
+        assert c["probes"][0]["rate"] == 0.5
+        ok = [p["rate"] for p in c["probes"] if p["ok"]]
+        assert c["rate"] == (max(ok) if ok else None)
+    assert "--slo-ttft-ms 300 --slo-tpot-ms 40" in saved["command"]

@@ -321,6 +321,9 @@ def run_compare(args: argparse.Namespace) -> int:
         args.scrape_intervals, "--scrape-intervals", float, _non_negative, "a number of seconds >= 0"
     )
     delays = parse_list(args.event_delays, "--event-delays", float, _non_negative, "a number of seconds >= 0")
+    if args.seeds is not None:
+        raise UserError("--seeds is for --preset (give --seed N for one run)")
+    slo = _plain_slo(args)
     base = spec_from_args(args, policies[0])
     at = default_rate(rates, args.rate_scale)
     specs = expand_grid(base, policies, rates, scrapes, delays, samples_at=at)
@@ -329,6 +332,7 @@ def run_compare(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with SpecRunner(args.jobs, _on_done(not args.no_progress, len(specs))) as runner:
         runs = runner.run(specs)
+        capacity = _plain_capacity(base, policies, min(rates), slo, runner.run) if slo else None
     meta = {
         "workload": args.trace or args.workload,
         "instances": args.instances,
@@ -340,13 +344,63 @@ def run_compare(args: argparse.Namespace) -> int:
         "command": compare_command(base, policies, rates, scrapes, delays, args),
         "wall_seconds": time.perf_counter() - t0,
     }
+    if capacity is not None:
+        meta["capacity"] = capacity
     ref = reference_setting(base, scrapes, delays)
     table = compare_table_md(runs, ref)
+    if capacity is not None:
+        table += "\n\n" + _plain_capacity_md(capacity)
     title = f"{Path(str(meta['workload'])).name}, {args.instances} instances"
     write_outputs(out_dir, meta, runs, table, title, ref)
     print(table)
     print(f"\nwrote {out_dir}/results.json, samples.json, table.md, latency_vs_rate.png, cdf.png")
     return 0
+
+
+def _plain_slo(args: argparse.Namespace) -> Any:
+    """The SLO of a plain compare (both flags, or neither: no capacity search)."""
+    from kvroute.sim.capacity import Slo
+
+    given = (args.slo_ttft_ms, args.slo_tpot_ms)
+    if given == (None, None):
+        return None
+    if None in given:
+        raise UserError("give both --slo-ttft-ms and --slo-tpot-ms (or neither)")
+    slo = Slo(float(args.slo_ttft_ms), float(args.slo_tpot_ms))
+    slo.check()
+    return slo
+
+
+def _plain_capacity(base: Any, policies: Sequence[str], light: float, slo: Any, run: Any) -> dict[str, Any]:
+    """Each policy's capacity at ``slo``, searched from the lowest listed rate (seed of ``base``)."""
+    from dataclasses import replace
+
+    from kvroute.sim.capacity import CapacityRule, CapacitySearch
+    from kvroute.sim.compare import run_capacity
+
+    searches = {p: CapacitySearch(CapacityRule(light, slo)) for p in policies}
+    caps = run_capacity(searches, lambda p, r: replace(base, policy=p, rate_scale=r), run)
+    return {
+        "slo": {"ttft_p99_ms": slo.ttft_p99_ms, "tpot_p99_ms": slo.tpot_p99_ms},
+        "policies": {p: c.to_dict() for p, c in caps.items()},
+    }
+
+
+def _plain_capacity_md(capacity: dict[str, Any]) -> str:
+    slo = capacity["slo"]
+    lines = [
+        f"### capacity at TTFT p99 ≤ {slo['ttft_p99_ms']:g} ms and TPOT p99 ≤ {slo['tpot_p99_ms']:g} ms",
+        "",
+        "| policy | capacity (rate scale) | first failing probe |",
+        "|---|---:|---:|",
+    ]
+    for p, c in capacity["policies"].items():
+        rate, failed = c["rate"], c["failed_rate"]
+        lines.append(
+            f"| {p} | {'none' if rate is None else f'×{rate:.4g}'} | "
+            f"{'none (ramp ended)' if failed is None else f'×{failed:.4g}'} |"
+        )
+    return "\n".join(lines)
 
 
 def compare_command(
@@ -372,6 +426,8 @@ def compare_command(
         parts.append(f"--scrape-intervals {','.join(f'{x:g}' for x in scrapes)}")
     if delays:
         parts.append(f"--event-delays {','.join(f'{x:g}' for x in delays)}")
+    if args.slo_ttft_ms is not None and args.slo_tpot_ms is not None:
+        parts.append(f"--slo-ttft-ms {args.slo_ttft_ms:g} --slo-tpot-ms {args.slo_tpot_ms:g}")
     parts.append(f"--jobs {args.jobs}")
     if args.out:
         parts.append(f"--out {shlex.quote(args.out)}")

@@ -165,7 +165,9 @@ def test_bad_input_is_one_line_user_error(
     [
         ["compare", "--policies", "vllm"],
         ["compare", "--preset", "paper", "--workload", "chatbot"],
-        ["compare", "--preset", "paper", "--policies", "vllm"],
+        ["compare", "--preset", "paper", "--policies", "lmetric"],  # lacks the reference
+        ["compare", "--preset", "seed", "--no-prefix-caching"],
+        ["compare", "--preset", "paper", "--seeds", "1,1"],
         ["compare", "--preset", "paper", "--rate-scales", "1"],
         ["compare", "--preset", "nope"],
     ],

@@ -472,6 +472,8 @@ def sim_command(spec: RunSpec) -> str:
         value = getattr(spec, name)
         if value != getattr(defaults, name):
             parts.append(f"--{name.replace('_', '-')} {value}")
+    if not spec.prefix_caching:
+        parts.append("--no-prefix-caching")
     parts += feature_flags(spec.features, seq_capacity=spec.max_num_seqs)
     parts += scenario_flags(spec.scenario)
     if spec.shadow:

@@ -42,6 +42,11 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--kv-tokens", type=int, default=None, help="KV capacity per instance in tokens")
+    p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="engines without prefix caching (vLLM's --no-enable-prefix-caching): no KV hits, no KV events",
+    )
     p.add_argument("--kv-view", default="exact", help="router's KV view: exact (KV events) or approx")
     p.add_argument("--scrape-interval", type=float, default=0.05, help="seconds between load copies")
     p.add_argument("--event-delay", type=float, default=0.002, help="seconds before KV events arrive")
@@ -84,6 +89,7 @@ def spec_from_args(args: argparse.Namespace, policy: str, rate_scale: float | No
         model_config=args.model_config,
         tp=args.tp,
         kv_tokens=args.kv_tokens,
+        prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_view=args.kv_view,

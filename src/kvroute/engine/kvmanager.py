@@ -127,7 +127,10 @@ class KVCacheManager:
 
     def cache_blocks(self, rec: RequestBlocks, computed: int) -> None:
         """``rec`` has ``computed`` tokens in KV: cache the full prompt blocks filled since the last
-        call (``BlockStored``; a block another request cached meanwhile is shared instead)."""
+        call (``BlockStored``; a block another request cached meanwhile is shared instead). Nothing
+        with prefix caching off: blocks stay private, as in vLLM (no reuse, no events)."""
+        if not self.prefix_caching:
+            return
         hashes = rec.req.block_hashes
         held = rec.held
         first = len(held)

@@ -61,6 +61,7 @@ class SimConfig:
     - ``scrape_interval``: seconds between the router's copies of engine load (0: always current).
     - ``event_delay``: seconds from a KV event to the router's index seeing it.
     - ``max_sim_seconds``: stop (counting the rest as unfinished) at this simulated time.
+    - ``prefix_caching``: False turns every engine's prefix cache off (no hits, no KV events).
     """
 
     instances: int
@@ -72,6 +73,7 @@ class SimConfig:
     event_delay: float = 0.002
     seed: int = 0
     max_sim_seconds: float | None = None
+    prefix_caching: bool = True
     # Features (kvroute.features): ``scale_out`` = ((time s, new instances), ...) joins during the run;
     # the last ``spot_instances`` initial instances carry the tag "spot".
     scale_out: tuple[tuple[float, int], ...] = ()
@@ -189,6 +191,7 @@ class ClusterSim:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             num_kv_blocks=blocks,
             block_size=block_size,
+            enable_prefix_caching=cfg.prefix_caching,
         )
         self._block_size = block_size
         for k in range(cfg.instances):

@@ -23,6 +23,7 @@ from types import TracebackType
 from typing import Any
 
 from kvroute.errors import UserError
+from kvroute.sim.capacity import Capacity, CapacityRule, CapacitySearch, Slo
 from kvroute.sim.runner import RunSpec, run_spec
 
 Summary = dict[str, Any]
@@ -92,6 +93,10 @@ def run_one(spec: RunSpec) -> Summary:
     out["scrape_interval"] = spec.scrape_interval
     out["event_delay"] = spec.event_delay
     out["duration"] = spec.duration
+    out["seed"] = spec.seed
+    out["prefix_caching"] = spec.prefix_caching
+    if not spec.prefix_caching:
+        out["policy"] = out["policy"] + NO_PREFIX_CACHING
     return out
 
 
@@ -280,6 +285,29 @@ def find_saturation(rule: SaturationRule, measure: Callable[[float], Summary]) -
 
 # ----------------------------------------------------------------------------------------- paper preset
 
+PAPER_POLICIES: tuple[str, ...] = ("vllm", "llm-d", "lmetric", "lmetric-kv", "sglang", "dynamo")
+"""The paper preset's fixed policies (registry names; the first is the reference whose saturation sets
+the rates). To evaluate a new policy in the preset, add its name here (or pass ``--policies``)."""
+
+NO_PREFIX_CACHING = " (prefix caching off)"
+"""Suffix of an *arm* (a policy name in a preset's list) whose engines run without prefix caching."""
+
+SEED_POLICIES: tuple[str, ...] = ("vllm" + NO_PREFIX_CACHING, "vllm", "llm-d", "lmetric")
+"""The seed preset's arms: the design document's table compares lmetric and llm-d (engines caching)
+against vLLM engines with 0 % KV hits; plain ``vllm`` (caching on) is the fair reference beside it."""
+
+
+def arm_name(policy: str, prefix_caching: bool = True) -> str:
+    """The arm's name: the policy, with :data:`NO_PREFIX_CACHING` when its engines do not cache."""
+    return policy if prefix_caching else policy + NO_PREFIX_CACHING
+
+
+def split_arm(arm: str) -> tuple[str, bool]:
+    """``arm`` → (policy, prefix caching on)."""
+    if arm.endswith(NO_PREFIX_CACHING):
+        return arm.removesuffix(NO_PREFIX_CACHING), False
+    return arm, True
+
 
 @dataclass(frozen=True, slots=True)
 class PaperWorkload:
@@ -292,37 +320,57 @@ class PaperWorkload:
     workload: str | None = None
     trace: str | None = None
 
-    def spec(self, plan: PaperPlan, policy: str, rate: float, **changes: Any) -> RunSpec:
-        return RunSpec(
-            policy=policy,
-            instances=plan.instances,
-            trace=self.trace,
-            workload=self.workload,
-            rate_scale=rate,
-            duration=self.duration,
-            seed=plan.seed,
-            **changes,
-        )
+    def spec(self, plan: PaperPlan, arm: str, rate: float, **changes: Any) -> RunSpec:
+        policy, caching = split_arm(arm)
+        fields: dict[str, Any] = {
+            "policy": policy,
+            "prefix_caching": caching,
+            "instances": plan.instances,
+            "trace": self.trace,
+            "workload": self.workload,
+            "rate_scale": rate,
+            "duration": self.duration,
+            "seed": plan.seeds[0],
+            "profile": plan.profile,
+        }
+        return RunSpec(**(fields | changes))
+
+    def seeds(self, plan: PaperPlan) -> tuple[int, ...]:
+        """The seeds run at the default load: all of the plan's for a synthetic workload; only the
+        first for a trace, which is replayed exactly (a seed would change only randomized policies,
+        and the preset's are deterministic), so a trace's figures carry no interval."""
+        return plan.seeds if self.trace is None else plan.seeds[:1]
 
 
 @dataclass(frozen=True, slots=True)
 class PaperPlan:
-    """The preset: workloads, policies, the λ grid of ``linear``, rates as fractions of each workload's
-    max rate (``default_fraction`` of it is the default load), and the staleness study (one workload at
-    its default load; scrape intervals at the default event delay, then event delays at the default
-    scrape interval)."""
+    """The preset: workloads, policies (arms: see :func:`split_arm`), the λ grid of ``linear`` (empty:
+    none), rates as fractions of each workload's max rate (``default_fraction`` of it is the default
+    load), the seeds at the default load (the first one everywhere else), capacity at an SLO (the SLO
+    is ``slo_*_ms`` when given, else ``slo_*_factor`` × the reference's p99 at the light rate; searched
+    with ``capacity_refine`` bisections for each seed of ``capacity_seeds``), and the staleness study
+    (one workload at its default load; scrape intervals at the default event delay, then event delays
+    at the default scrape interval)."""
 
     workloads: tuple[PaperWorkload, ...]
     instances: int = 16
-    seed: int = 0
-    policies: tuple[str, ...] = ("vllm", "llm-d", "lmetric", "lmetric-kv", "sglang", "dynamo")
+    seeds: tuple[int, ...] = (0, 1, 2)
+    policies: tuple[str, ...] = PAPER_POLICIES
     lambdas: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
     reference: str = "vllm"
+    profile: str | None = None
     rate_fractions: tuple[float, ...] = (0.125, 0.25, 0.5, 1.0)
     default_fraction: float = 0.5
     threshold: float = 10.0
     factor: float = 2.0
     refine: int = 2
+    capacity: bool = True
+    slo_ttft_factor: float = 5.0
+    slo_tpot_factor: float = 10.0
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    capacity_refine: int = 3
+    capacity_seeds: tuple[int, ...] = (0,)
     staleness_workload: str | None = "chatbot"
     scrape_intervals: tuple[float, ...] = (0.0, 0.05, 0.2, 1.0)
     event_delays: tuple[float, ...] = (0.002, 0.1, 1.0)
@@ -330,15 +378,33 @@ class PaperPlan:
     def rule(self, w: PaperWorkload) -> SaturationRule:
         return SaturationRule(w.light_rate, self.threshold, self.factor, self.refine)
 
+    def check(self) -> PaperPlan:
+        """Raise UserError for an unusable plan; returns self."""
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise UserError("the preset needs distinct seeds")
+        if self.reference not in self.policies:
+            raise UserError(f"the policies must include the reference {self.reference!r}")
+        if not set(self.capacity_seeds) <= set(self.seeds):
+            raise UserError("capacity seeds must be among the seeds")
+        return self
+
+    def slo(self, light: Summary) -> Slo:
+        """The SLO of a workload whose reference run at the light rate is ``light``."""
+        return Slo(
+            self.slo_ttft_ms or self.slo_ttft_factor * float(light["ttft_ms"]["p99"]),
+            self.slo_tpot_ms or self.slo_tpot_factor * float(light["tpot_ms"]["p99"]),
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-native (lists, not tuples)."""
         return _lists(asdict(self))
 
 
-def paper_plan(mooncake_trace: str | None, duration: float | None = None) -> PaperPlan:
+def paper_plan(mooncake_trace: str | None, duration: float | None = None, **changes: Any) -> PaperPlan:
     """The paper preset on this machine: the four synthetic workloads (300 s of arrivals each, the
     paper replays 1200 s) and, when its file is given, the Mooncake conversation trace (1200 s, the
-    paper's length: it is cheap). ``duration`` overrides every workload's."""
+    paper's length: it is cheap). ``duration`` overrides every workload's; ``changes`` the plan's
+    other fields."""
     workloads = [
         PaperWorkload("chatbot", 300.0, 0.5, workload="chatbot"),
         PaperWorkload("coder", 300.0, 0.5, workload="coder"),
@@ -349,7 +415,30 @@ def paper_plan(mooncake_trace: str | None, duration: float | None = None) -> Pap
         workloads.append(PaperWorkload("mooncake", 1200.0, 0.25, trace=mooncake_trace))
     if duration is not None:
         workloads = [replace(w, duration=duration) for w in workloads]
-    return PaperPlan(tuple(workloads))
+    return PaperPlan(tuple(workloads), **changes).check()
+
+
+SEED_PROFILE = "design-a100-qwen30b"
+
+
+def seed_plan(duration: float | None = None, **changes: Any) -> PaperPlan:
+    """The design document's own setup (seed/lmetric-seed.zh.txt §5): 16 A100 instances (the
+    ``design-a100-qwen30b`` profile), its four workloads, vLLM's engines without prefix caching as the
+    baseline whose saturation sets the rates, llm-d and lmetric on caching engines, plus ``vllm`` on
+    caching engines. No λ grid, no staleness study. The profile saturates near ×1 (15 ms per decoding
+    sequence), so the search starts at ×0.125."""
+    workloads = [
+        PaperWorkload(name, duration or 300.0, 0.125, workload=name)
+        for name in ("chatbot", "coder", "api", "agent")
+    ]
+    fields: dict[str, Any] = {
+        "policies": SEED_POLICIES,
+        "reference": SEED_POLICIES[0],
+        "profile": SEED_PROFILE,
+        "lambdas": (),
+        "staleness_workload": None,
+    }
+    return PaperPlan(tuple(workloads), **(fields | changes)).check()
 
 
 def linear_name(lam: float) -> str:
@@ -369,7 +458,8 @@ def best_lambda(runs: Iterable[Summary], lambdas: Sequence[float]) -> float:
 
 @dataclass(slots=True)
 class _Memo:
-    """Summaries by spec within one preset run (a spec run twice gives the same summary)."""
+    """Summaries by spec within one preset run (a spec run twice gives the same summary). Each
+    summary is labelled with its arm (:func:`arm_name`) and seed."""
 
     runner: BatchRunner
     known: dict[RunSpec, Summary] = field(default_factory=dict)
@@ -380,6 +470,8 @@ class _Memo:
             if s not in self.known and replace(s, keep_samples=True) not in self.known and s not in todo:
                 todo.append(s)
         for s, out in zip(todo, self.runner(todo), strict=True):
+            out["policy"] = arm_name(s.policy, s.prefix_caching)
+            out["seed"] = s.seed
             self.known[s] = out
         return [self.known.get(s) or self.known[replace(s, keep_samples=True)] for s in specs]
 
@@ -398,15 +490,41 @@ def _by_cost(specs: list[RunSpec], probes: dict[str | None, tuple[Probe, ...]]) 
     return sorted(specs, key=estimate, reverse=True)
 
 
+def _ordered(memo: _Memo, specs: list[RunSpec], probes: dict[str | None, tuple[Probe, ...]]) -> list[Summary]:
+    """Run ``specs`` longest first; the summaries in the order of ``specs``."""
+    memo.run(_by_cost(specs, probes))
+    return memo.run(specs)
+
+
+def run_capacity(
+    searches: dict[Any, CapacitySearch],
+    spec_for: Callable[[Any, float], RunSpec],
+    run: Callable[[list[RunSpec]], list[Summary]],
+) -> dict[Any, Capacity]:
+    """Run capacity searches in lockstep (one batch per round): ``spec_for(key, rate)`` is the run
+    that measures ``key``'s search at ``rate``; ``run`` measures a batch."""
+    while True:
+        asks = [(k, r) for k, s in searches.items() if (r := s.next_rate()) is not None]
+        if not asks:
+            return {k: s.result() for k, s in searches.items()}
+        outs = run([spec_for(k, r) for k, r in asks])
+        for (k, r), out in zip(asks, outs, strict=True):
+            searches[k].record(r, out)
+
+
 def run_paper(
     plan: PaperPlan, runner: BatchRunner, note: Callable[[str], None] = lambda _: None
 ) -> dict[str, Any]:
     """Run the preset with ``runner`` (a batch of specs → summaries); returns a JSON-able dict:
     ``{"plan", "workloads": [{"name", "duration", "saturation", "rates", "default_rate",
-    "best_lambda", "runs"}], "staleness": {"workload", "rate", "runs"} | None, "simulations",
-    "cpu_seconds"}`` (distinct runs and their total CPU time). ``runs`` holds every
-    fixed policy at every rate, every ``linear:<λ>`` at the default rate and the best λ at every rate."""
+    "best_lambda", "seeds", "runs", "seed_runs", "slo", "capacity"}], "staleness": {"workload",
+    "rate", "runs"} | None, "simulations", "cpu_seconds"}`` (distinct runs and their total CPU time).
+    ``runs`` (first seed) holds every fixed policy at every rate, every ``linear:<λ>`` at the default
+    rate and the best λ at every rate; ``seed_runs`` the shown policies (fixed and best λ) at the
+    default rate with the other seeds; ``capacity``: one entry per shown policy and capacity seed;
+    ``best_lambda`` is None without a λ grid."""
     memo = _Memo(runner)
+    seed0 = plan.seeds[0]
     # 1. Saturation searches, all workloads in lockstep (one batch per round).
     searches = {w.name: SaturationSearch(plan.rule(w)) for w in plan.workloads}
     while True:
@@ -428,38 +546,87 @@ def run_paper(
     rates = {w.name: [sats[w.name].max_rate * f for f in plan.rate_fractions] for w in plan.workloads}
     default = {w.name: sats[w.name].max_rate * plan.default_fraction for w in plan.workloads}
 
-    # 2. Fixed policies at every rate, the λ grid at the default rate.
+    # 2. Fixed policies at every rate, the λ grid at the default rate, other seeds at the default rate.
     def grid(w: PaperWorkload, policies: Sequence[str], rs: Sequence[float]) -> list[RunSpec]:
         return [w.spec(plan, p, r, keep_samples=r == default[w.name]) for p in policies for r in rs]
+
+    def seeded(w: PaperWorkload, policies: Sequence[str]) -> list[RunSpec]:
+        return [
+            w.spec(plan, p, default[w.name], seed=s) for p in policies for s in w.seeds(plan) if s != seed0
+        ]
 
     lambdas = [linear_name(lam) for lam in plan.lambdas]
     first = [s for w in plan.workloads for s in grid(w, plan.policies, rates[w.name])]
     first += [s for w in plan.workloads for s in grid(w, lambdas, [default[w.name]])]
+    first += [s for w in plan.workloads for s in seeded(w, plan.policies)]
     memo.run(_by_cost(first, probes))
-    best = {
-        w.name: best_lambda(memo.run(grid(w, lambdas, [default[w.name]])), plan.lambdas)
-        for w in plan.workloads
-    }
-    for name, lam in best.items():
-        note(f"{name}: best λ = {lam:g}")
+    best: dict[str, float | None] = {w.name: None for w in plan.workloads}
+    if plan.lambdas:
+        for w in plan.workloads:
+            best[w.name] = best_lambda(memo.run(grid(w, lambdas, [default[w.name]])), plan.lambdas)
+            note(f"{w.name}: best λ = {best[w.name]:g}")
 
-    # 3. The best λ at every rate; the staleness study.
-    second = [s for w in plan.workloads for s in grid(w, [linear_name(best[w.name])], rates[w.name])]
+    def shown(w: PaperWorkload) -> list[str]:
+        lam = best[w.name]
+        return [*plan.policies, *([] if lam is None else [linear_name(lam)])]
+
+    # 3. The best λ at every rate and at the other seeds; the staleness study.
+    second = []
+    for w in plan.workloads:
+        if (lam := best[w.name]) is not None:
+            second += grid(w, [linear_name(lam)], rates[w.name]) + seeded(w, [linear_name(lam)])
     stale_w = next((w for w in plan.workloads if w.name == plan.staleness_workload), None)
     stale_specs: list[RunSpec] = []
     if stale_w is not None:
         r = default[stale_w.name]
         base = stale_w.spec(plan, plan.reference, r)
-        pols = [*plan.policies, linear_name(best[stale_w.name])]
+        pols = shown(stale_w)
         stale_specs = expand_grid(base, pols, [r], scrape_intervals=plan.scrape_intervals)
         stale_specs += expand_grid(base, pols, [r], event_delays=plan.event_delays)
-        stale_specs = list(dict.fromkeys(stale_specs))
+        stale_specs = [
+            replace(s, prefix_caching=split_arm(s.policy)[1], policy=split_arm(s.policy)[0])
+            for s in dict.fromkeys(stale_specs)
+        ]
     memo.run(_by_cost(second + stale_specs, probes))
+
+    # 4. Capacity at the SLO: every shown policy, from the light rate, for each capacity seed.
+    slos = {
+        w.name: plan.slo(memo.run([w.spec(plan, plan.reference, w.light_rate)])[0]) for w in plan.workloads
+    }
+    caps: dict[tuple[str, str, int], Capacity] = {}
+    if plan.capacity:
+        wmap = {w.name: w for w in plan.workloads}
+        cap_searches = {
+            (w.name, p, s): CapacitySearch(
+                CapacityRule(w.light_rate, slos[w.name], plan.factor, plan.capacity_refine)
+            )
+            for w in plan.workloads
+            for p in shown(w)
+            for s in plan.capacity_seeds
+            if s in w.seeds(plan)
+        }
+        caps = run_capacity(
+            cap_searches,
+            lambda k, r: wmap[k[0]].spec(plan, k[1], r, seed=k[2]),
+            lambda specs: _ordered(memo, specs, probes),
+        )
+        for w in plan.workloads:
+            note(
+                f"{w.name}: capacity at TTFT p99 ≤ {slos[w.name].ttft_p99_ms:.0f} ms, TPOT p99 ≤ "
+                f"{slos[w.name].tpot_p99_ms:.1f} ms: "
+                + ", ".join(
+                    f"{p} ×{c.rate:.3g}" if c.rate is not None else f"{p} none"
+                    for (n, p, _), c in caps.items()
+                    if n == w.name
+                )
+            )
 
     workloads = []
     for w in plan.workloads:
         specs = grid(w, plan.policies, rates[w.name]) + grid(w, lambdas, [default[w.name]])
-        specs += [s for s in grid(w, [linear_name(best[w.name])], rates[w.name]) if s not in specs]
+        if (lam := best[w.name]) is not None:
+            specs += [s for s in grid(w, [linear_name(lam)], rates[w.name]) if s not in specs]
+        light = memo.run([w.spec(plan, plan.reference, w.light_rate)])[0]
         workloads.append(
             {
                 "name": w.name,
@@ -470,7 +637,18 @@ def run_paper(
                 "rates": rates[w.name],
                 "default_rate": default[w.name],
                 "best_lambda": best[w.name],
+                "seeds": list(w.seeds(plan)),
+                "slo": {
+                    "ttft_p99_ms": slos[w.name].ttft_p99_ms,
+                    "tpot_p99_ms": slos[w.name].tpot_p99_ms,
+                    "light_ttft_p99_ms": light["ttft_ms"]["p99"],
+                    "light_tpot_p99_ms": light["tpot_ms"]["p99"],
+                },
+                "capacity": [
+                    {"policy": p, "seed": s, **c.to_dict()} for (n, p, s), c in caps.items() if n == w.name
+                ],
                 "runs": memo.run(specs),
+                "seed_runs": memo.run(seeded(w, shown(w))),
             }
         )
     staleness = None

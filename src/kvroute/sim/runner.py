@@ -49,6 +49,9 @@ class RunSpec:
     model_config: str | None = None  # the model's HF config.json for ``profile_dir`` (else found beside it)
     tp: int = 1
     kv_tokens: int | None = None
+    # False: every engine runs with prefix caching off (vLLM's --no-enable-prefix-caching): no prompt
+    # block is ever reused, so no KV hits and no KV events; the router's view stays empty.
+    prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     kv_view: str = "exact"
@@ -91,6 +94,7 @@ def run_spec(spec: RunSpec, progress: Callable[[float, int, int], None] | None =
     cfg = SimConfig(
         instances=spec.instances,
         kv_capacity_tokens=spec.kv_tokens or profile.kv_capacity_tokens,
+        prefix_caching=spec.prefix_caching,
         max_num_seqs=spec.max_num_seqs,
         max_num_batched_tokens=spec.max_num_batched_tokens,
         kv_view=spec.kv_view,

@@ -16,6 +16,7 @@ engine's. Every series carries the label ``model_name``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -180,85 +181,47 @@ class EngineMetrics:
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._model = model_name
-        if flavor == "sglang":
-            self._sglang(stats, block_size)
-            return
-        self.registry.register(_StatsCollector(stats, model_name))
-        lbl = ["model_name"]
         r = self.registry
-        self._ttft = Histogram(
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            lbl,
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self._itl = Histogram(
-            "vllm:inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.",
-            lbl,
-            buckets=ITL_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self._tpot: Histogram | None = Histogram(
-            "vllm:time_per_output_token_seconds",
-            "Histogram of time per output token in seconds (older name of the inter-token latency).",
-            lbl,
-            buckets=ITL_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self._e2e = Histogram(
-            "vllm:e2e_request_latency_seconds",
-            "Histogram of end to end request latency in seconds.",
-            lbl,
-            buckets=E2E_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self._prompt = Counter(
-            "vllm:prompt_tokens", "Number of prefill tokens processed.", lbl, registry=r
-        ).labels(model_name)
-        self._gen = Counter(
-            "vllm:generation_tokens", "Number of generation tokens processed.", lbl, registry=r
-        ).labels(model_name)
-        self._success: Counter | None = Counter(
-            "vllm:request_success",
-            "Count of successfully processed requests.",
-            ["model_name", "finished_reason"],
-            registry=r,
-        )
+        if flavor == "sglang":
+            r.register(_SglangStatsCollector(stats, model_name, block_size))
+        else:
+            r.register(_StatsCollector(stats, model_name))
+        prefix = "sglang" if flavor == "sglang" else "vllm"
 
-    def _sglang(self, stats: Callable[[], EngineStats], block_size: int) -> None:
-        r, lbl, name = self.registry, ["model_name"], self._model
-        r.register(_SglangStatsCollector(stats, name, block_size))
-        self._ttft = Histogram(
-            "sglang:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            lbl,
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        ).labels(name)
-        self._itl = Histogram(
-            "sglang:inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.",
-            lbl,
-            buckets=ITL_BUCKETS,
-            registry=r,
-        ).labels(name)
-        self._tpot = None
-        self._e2e = Histogram(
-            "sglang:e2e_request_latency_seconds",
-            "Histogram of End-to-end request latency in seconds",
-            lbl,
-            buckets=E2E_BUCKETS,
-            registry=r,
-        ).labels(name)
-        self._prompt = Counter(
-            "sglang:prompt_tokens", "Number of prefill tokens processed.", lbl, registry=r
-        ).labels(name)
-        self._gen = Counter(
-            "sglang:generation_tokens", "Number of generation tokens processed.", lbl, registry=r
-        ).labels(name)
-        self._success = None
+        def hist(name: str, doc: str, buckets: Sequence[float]) -> Any:
+            return Histogram(f"{prefix}:{name}", doc, ["model_name"], buckets=buckets, registry=r).labels(
+                model_name
+            )
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(f"{prefix}:{name}", doc, ["model_name"], registry=r).labels(model_name)
+
+        self._ttft = hist(
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self._itl = hist(
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self._e2e = hist(
+            "e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", E2E_BUCKETS
+        )
+        self._prompt = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self._gen = counter("generation_tokens", "Number of generation tokens processed.")
+        # vLLM only: the older name of the inter-token latency, and finished requests by reason
+        self._tpot: Any = None
+        self._success: Counter | None = None
+        if flavor != "sglang":
+            self._tpot = hist(
+                "time_per_output_token_seconds",
+                "Histogram of time per output token in seconds (older name of the inter-token latency).",
+                ITL_BUCKETS,
+            )
+            self._success = Counter(
+                "vllm:request_success",
+                "Count of successfully processed requests.",
+                ["model_name", "finished_reason"],
+                registry=r,
+            )
 
     def observe_first_token(self, ttft_s: float, prompt_tokens: int) -> None:
         self._ttft.observe(ttft_s)

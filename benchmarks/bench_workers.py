@@ -188,9 +188,9 @@ def event_costs(requests: int = EVENT_REQUESTS, warmup: int = EVENT_WARMUP) -> d
     from kvroute.kvevents import BlockStored, decode_batch, encode_batch
     from kvroute.policies.registry import make_policy
     from kvroute.server.config import BackendSpec, RouterConfig
-    from kvroute.server.router import RouterCore
-    from kvroute.server.tokenize import RequestTokenizer
-    from kvroute.server.validate import parse_request
+    from kvroute.server.state.router import RouterState
+    from kvroute.prepare.tokenize import RequestTokenizer
+    from kvroute.server.wire.validate import parse_request
 
     tok = load_tokenizer()
     text = BlockText(tok)
@@ -200,7 +200,7 @@ def event_costs(requests: int = EVENT_REQUESTS, warmup: int = EVENT_WARMUP) -> d
             for i in range(BACKENDS)
         )
     )
-    core = RouterCore(config, RequestTokenizer(tok, config.tokenizer_cache_entries), make_policy("lmetric"))
+    core = RouterState(config, RequestTokenizer(tok, config.tokenizer_cache_entries), make_policy("lmetric"))
     bs = config.block_size
     stored: list[set[int]] = [set() for _ in range(BACKENDS)]
     dec, app, blocks = [], [], []

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvroute.blocks import hash_blocks
 from kvroute.routing.core import RouteRequest
-from kvroute.server.tokenize import RequestTokenizer
+from kvroute.prepare.tokenize import RequestTokenizer
 
 __all__ = ["PromptChains", "body_of"]
 

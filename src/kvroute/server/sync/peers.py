@@ -1,14 +1,14 @@
 """Router replicas on several machines: each announces its in-flight load to the others over ZMQ.
 
 Every replica consumes the engines' KV events and scrapes their ``/metrics`` itself; what the replicas
-share is only their *reservations*, the router-side counters of :class:`~kvroute.server.loadtable.LoadTable`
+share is only their *reservations*, the router-side counters of :class:`~kvroute.server.state.loadtable.LoadTable`
 (per backend: waiting, running, queued prefill tokens, KV blocks of the requests they routed and that
 have not ended). Best effort: PUB/SUB, no acknowledgements, state that expires.
 
 **Who does what.** Every process that routes (a router, or each worker of ``kvroute serve --workers
 N``) runs a :class:`PeerPublisher` over its own row of the table: a PUB socket *connected* to every
 peer's receive endpoint. It is installed as the table's ``announce`` hook, so each change of the row
-(a :class:`~kvroute.server.backends.Lease` reserving, starting, adjusting or releasing) is published
+(a :class:`~kvroute.server.state.backends.Lease` reserving, starting, adjusting or releasing) is published
 in the same synchronous step as the local reservation, and every ``refresh_s`` seconds it publishes the
 whole row (its *refresh*). Exactly one process per machine runs a :class:`PeerReceiver`: a SUB socket
 *bound* at ``--peer-bind``; it keeps each sender's load per backend and writes the sum over senders into
@@ -54,7 +54,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvroute.errors import UserError
-from kvroute.server.loadtable import LoadTable
+from kvroute.server.state.loadtable import LoadTable
 
 __all__ = [
     "PROTOCOL",
@@ -72,7 +72,7 @@ __all__ = [
     "resolve_peers",
 ]
 
-log = logging.getLogger("kvroute.server.peers")
+log = logging.getLogger("kvroute.server.sync.peers")
 
 PROTOCOL = b"kvp1"
 """First frame of every message: protocol name and version."""

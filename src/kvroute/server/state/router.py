@@ -1,13 +1,13 @@
 """The routing core: request → token blocks → KV match → instance views → policy → ordered backends.
 
-Membership (backends that come and go) changes here and only here: :meth:`RouterCore.add_backend`,
-:meth:`RouterCore.drain_backend`, :meth:`RouterCore.remove_backend`, :meth:`RouterCore.update_backend`;
-the policy and features are swapped with :meth:`RouterCore.set_policy`. A backend's index (its KV view
+Membership (backends that come and go) changes here and only here: :meth:`RouterState.add_backend`,
+:meth:`RouterState.drain_backend`, :meth:`RouterState.remove_backend`, :meth:`RouterState.update_backend`;
+the policy and features are swapped with :meth:`RouterState.set_policy`. A backend's index (its KV view
 bit, ``InstanceView.index``) is never reused in a process: a removed backend stays in ``backends``
 with ``state == "removed"``. The server side (event subscribers, health checks, reconciling a desired
-list) is :mod:`kvroute.server.fleet`.
+list) is :mod:`kvroute.server.sync.fleet`.
 
-No sockets here: backends are reached through the :class:`~kvroute.server.transport.Transport` given
+No sockets here: backends are reached through the :class:`~kvroute.server.wire.transport.Transport` given
 to the proxy, and the clock is injected (``clock()`` returns monotonic seconds), so this runs the same
 under tests and in production.
 """
@@ -30,15 +30,15 @@ from kvroute.policies.base import Policy
 from kvroute.routing.core import Decision, RouteRequest, RoutingCore, with_features
 from kvroute.routing.kvview import KVView
 from kvroute.routing.shadow import ShadowPick, Shadows
-from kvroute.server.backends import ACTIVE, DRAINING, REMOVED, BackendState
-from kvroute.server.chainmemo import ChainMemo, Piece
+from kvroute.server.state.backends import ACTIVE, DRAINING, REMOVED, BackendState
+from kvroute.prepare.chainmemo import ChainMemo, Piece
 from kvroute.server.config import BackendSpec, RouterConfig
-from kvroute.server.loadtable import LoadTable
-from kvroute.server.pools import ModelPools
-from kvroute.server.tokenize import Pending, RequestTokenizer
-from kvroute.server.validate import ApiError, ParsedRequest
+from kvroute.server.state.loadtable import LoadTable
+from kvroute.server.state.pools import ModelPools
+from kvroute.prepare.tokenize import Pending, RequestTokenizer
+from kvroute.server.wire.validate import ApiError, ParsedRequest
 
-__all__ = ["Plan", "QuotaExceeded", "RouterCore", "RouterCounters"]
+__all__ = ["Plan", "QuotaExceeded", "RouterState", "RouterCounters"]
 
 log = logging.getLogger("kvroute.server")
 
@@ -93,7 +93,7 @@ class RouterCounters:
         self.drained = 0  # in flight when the shutdown's drain timed out: ended by the router
 
 
-class RouterCore:
+class RouterState:
     """Owns the backends' state, the KV view, the tokenizer and the policy. Not thread-safe: use from
     one event loop."""
 
@@ -171,7 +171,7 @@ class RouterCore:
     def update_backend(self, index: int, spec: BackendSpec) -> None:
         """Backend ``index`` is now described by ``spec`` (same URL): its tags, and its KV view mode
         when ``kv_events`` appeared or went (see :meth:`KVView.set_exact`). The event subscriber is the
-        caller's (:mod:`kvroute.server.fleet`)."""
+        caller's (:mod:`kvroute.server.sync.fleet`)."""
         old = self.specs[index]
         if spec.url != old.url:
             raise ValueError(f"backend {index} is {old.url}, not {spec.url}")

@@ -31,14 +31,14 @@ from concurrent.futures import ThreadPoolExecutor
 import orjson
 from aiohttp import web
 
-from kvroute.server.backends import ACTIVE, BackendState, Lease
-from kvroute.server.chainmemo import Piece
-from kvroute.server.decisions import DecisionRecord
-from kvroute.server.observe import REQUEST_ID_HEADER, Observer, request_id
-from kvroute.server.router import Plan, QuotaExceeded, RouterCore
-from kvroute.server.tokenize import Pending
-from kvroute.server.transport import Transport, UpstreamBrokenError, UpstreamConnectError, UpstreamResponse
-from kvroute.server.validate import ApiError, error_body, parse_request
+from kvroute.server.state.backends import ACTIVE, BackendState, Lease
+from kvroute.prepare.chainmemo import Piece
+from kvroute.server.observe.decisions import DecisionRecord
+from kvroute.server.observe.observer import REQUEST_ID_HEADER, Observer, request_id
+from kvroute.server.state.router import Plan, QuotaExceeded, RouterState
+from kvroute.prepare.tokenize import Pending
+from kvroute.server.wire.transport import Transport, UpstreamBrokenError, UpstreamConnectError, UpstreamResponse
+from kvroute.server.wire.validate import ApiError, error_body, parse_request
 
 __all__ = ["Proxy", "extract_cached_tokens"]
 
@@ -122,13 +122,13 @@ class _Tail:
 
     def __init__(
         self,
-        core: RouterCore,
+        core: RouterState,
         plan: Plan,
         pool: ThreadPoolExecutor,
         pending: Pending,
         salt: str | bytes | None,
     ) -> None:
-        self.core = core
+        self.state = core
         self.plan = plan
         self.chain: tuple[int, ...] | None = None  # the whole prompt's chain, once known
         self.n_tokens = 0  # the whole prompt's tokens, once known
@@ -155,7 +155,7 @@ class _Tail:
         if pending.tail_chars >= OFFLOAD_CHARS:
             loop = asyncio.get_running_loop()
             try:
-                fut = loop.run_in_executor(self._pool, self.core.tokenizer.finish_pieces, pending)
+                fut = loop.run_in_executor(self._pool, self.state.tokenizer.finish_pieces, pending)
             except RuntimeError:  # the router is stopping (the thread pool is shut down)
                 return
             fut.add_done_callback(lambda f: self._done(f, pending.suffix, salt))
@@ -164,8 +164,8 @@ class _Tail:
 
     def _inline(self, pending: Pending, salt: str | bytes | None) -> None:
         try:
-            pieces = self.core.tokenizer.finish_pieces(pending)
-            self._finish(*self.core.hashed(pieces, pending.suffix, salt))
+            pieces = self.state.tokenizer.finish_pieces(pending)
+            self._finish(*self.state.hashed(pieces, pending.suffix, salt))
         except Exception as exc:  # the request already went out on the estimate; only the view misses it
             log.warning("tokenizing a routed request's new text failed: %r", exc)
 
@@ -177,7 +177,7 @@ class _Tail:
         exc = fut.exception()
         if exc is None:
             try:
-                self._finish(*self.core.hashed(fut.result(), suffix, salt))
+                self._finish(*self.state.hashed(fut.result(), suffix, salt))
                 return
             except Exception as err:
                 exc = err
@@ -185,15 +185,15 @@ class _Tail:
 
     def _finish(self, ids: list[int], chain: tuple[int, ...]) -> None:
         self.n_tokens, self.chain = len(ids), chain
-        now = self.core.clock()
+        now = self.state.clock()
         for idx in self.routed:
-            self.core.kv.on_routed(idx, self.chain, now)
+            self.state.kv.on_routed(idx, self.chain, now)
         if self.lease is not None:
             self.lease.adjust(self.prefill(self.lease.backend.index))
 
     def prefill(self, idx: int) -> int:
         """The exact new prefill on backend ``idx`` (once the tail is tokenized)."""
-        cached = min(self.plan.cached_blocks.get(idx, 0) * self.core.config.block_size, self.n_tokens)
+        cached = min(self.plan.cached_blocks.get(idx, 0) * self.state.config.block_size, self.n_tokens)
         return self.n_tokens - cached
 
 
@@ -206,12 +206,12 @@ def _shutting_down(detail: str) -> ApiError:
 
 
 class Proxy:
-    """Forwards requests planned by a :class:`RouterCore` through a :class:`Transport`; ``observer``
-    records decisions and outcomes (:mod:`kvroute.server.observe`; by default one on a registry of
+    """Forwards requests planned by a :class:`RouterState` through a :class:`Transport`; ``observer``
+    records decisions and outcomes (:mod:`kvroute.server.observe.observer`; by default one on a registry of
     its own)."""
 
-    def __init__(self, core: RouterCore, transport: Transport, observer: Observer | None = None) -> None:
-        self.core = core
+    def __init__(self, core: RouterState, transport: Transport, observer: Observer | None = None) -> None:
+        self.state = core
         self.transport = transport
         if observer is None:
             from prometheus_client import CollectorRegistry
@@ -273,7 +273,7 @@ class Proxy:
         return await self._handle(request, chat=True, path="/v1/chat/completions")
 
     async def _read_body(self, request: web.Request) -> bytes:
-        limit = self.core.config.max_body_bytes
+        limit = self.state.config.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise ApiError(413, f"request body is larger than {limit} bytes")
         chunks = []
@@ -288,8 +288,8 @@ class Proxy:
     async def _handle(self, request: web.Request, chat: bool, path: str) -> web.StreamResponse:
         """Track the request while it is in flight; refuse it while shutting down."""
         if self.refusing:
-            self.core.counters.unavailable += 1
-            resp = error_response(_shutting_down("not accepting requests"), self.core.config.retry_after_s)
+            self.state.counters.unavailable += 1
+            resp = error_response(_shutting_down("not accepting requests"), self.state.config.retry_after_s)
             resp.force_close()
             return resp
         task = asyncio.current_task()
@@ -302,9 +302,9 @@ class Proxy:
             if not self._aborting:
                 raise
             task.uncancel()  # ended by the drain before anything was sent: answer 503
-            self.core.counters.drained += 1
+            self.state.counters.drained += 1
             resp = error_response(
-                _shutting_down("request not finished in time"), self.core.config.retry_after_s
+                _shutting_down("request not finished in time"), self.state.config.retry_after_s
             )
             resp.force_close()
             return resp
@@ -314,7 +314,7 @@ class Proxy:
                 self._idle.set()
 
     async def _route(self, request: web.Request, chat: bool, path: str) -> web.StreamResponse:
-        counters = self.core.counters
+        counters = self.state.counters
         clock = time.perf_counter
         arrival = clock()
         rid = request_id(request.headers)
@@ -323,7 +323,7 @@ class Proxy:
             stages = self.stage_seconds
             t0 = clock()
             parsed = parse_request(raw, chat)
-            core = self.core
+            core = self.state
             key = core.extra_key(parsed)  # LoRA adapter and cache salt
             t1 = clock()
             pending = core.split(parsed)
@@ -358,7 +358,7 @@ class Proxy:
         except ApiError as err:
             if err.status == 503:
                 counters.unavailable += 1
-                resp = error_response(err, self.core.config.retry_after_s)
+                resp = error_response(err, self.state.config.retry_after_s)
             elif isinstance(err, QuotaExceeded):  # 429 with Retry-After (token quota)
                 counters.client_errors += 1
                 if err.decision is not None:
@@ -395,7 +395,7 @@ class Proxy:
         """Try the plan's backends in order (see the module docstring); always returns a response.
         ``tail``: the request's deferred tokenization, if any; ``rec``: its decision record (attempts,
         first byte, status and cached tokens are written into it)."""
-        core = self.core
+        core = self.state
         counters = core.counters
         attempts = plan.order[: 1 + core.config.max_retries]
         last_error = "no backend available"
@@ -526,15 +526,15 @@ class Proxy:
             async for chunk in chunks:
                 parts.append(chunk)
         except UpstreamBrokenError as exc:
-            self.core.counters.upstream_errors += 1
+            self.state.counters.upstream_errors += 1
             return error_response(ApiError(502, f"backend response broke off: {exc}", etype="upstream_error"))
         body = b"".join(parts)
         if up.status < 400:
-            self.core.counters.ok += 1
+            self.state.counters.ok += 1
         elif up.status < 500:
-            self.core.counters.client_errors += 1
+            self.state.counters.client_errors += 1
         else:
-            self.core.counters.upstream_errors += 1
+            self.state.counters.upstream_errors += 1
         return web.Response(status=up.status, body=body, headers={"Content-Type": up.content_type})
 
     async def _relay_stream(
@@ -548,7 +548,7 @@ class Proxy:
         """Stream to the client; return the last bytes of the stream when it ended normally, None when
         the upstream broke (an error event was sent) or the client went away. ``after_first`` is
         called once the first bytes were written to the client."""
-        counters = self.core.counters
+        counters = self.state.counters
         try:
             await _write(out, request, first, prepare=True)
             if after_first is not None:
@@ -591,7 +591,7 @@ class Proxy:
         cached = extract_cached_tokens(end)
         if cached is not None:
             chain = tail.chain if tail is not None and tail.chain is not None else plan.chain
-            self.core.kv.on_usage(idx, chain, cached, plan.cached_blocks.get(idx, 0), self.core.clock())
+            self.state.kv.on_usage(idx, chain, cached, plan.cached_blocks.get(idx, 0), self.state.clock())
         return cached
 
 

@@ -31,13 +31,13 @@ import aiohttp
 
 from benchmarks.common import write
 from kvroute.policies.registry import make_policy
-from kvroute.server.state.backends import SCRAPE_PATH
+from kvroute.prepare.tokenize import RequestTokenizer
 from kvroute.server.cluster import EngineCluster
 from kvroute.server.config import RouterConfig
-from kvroute.server.wire.h1 import H1Transport
-from kvroute.server.sync.monitor import Monitor
+from kvroute.server.state.backends import SCRAPE_PATH
 from kvroute.server.state.router import RouterState
-from kvroute.prepare.tokenize import RequestTokenizer
+from kvroute.server.sync.monitor import Monitor
+from kvroute.server.wire.h1 import H1Transport
 from kvroute.tokenizer import load_tokenizer
 
 SCRAPES = 400

@@ -44,10 +44,12 @@ from kvroute.engine.types import BlockStored
 from kvroute.kvevents import decode_batch, encode_batch
 from kvroute.loadgen import BlockText
 from kvroute.policies.registry import make_policy
+from kvroute.prepare.tokenize import RequestTokenizer
 from kvroute.server.config import BackendSpec, RouterConfig
 from kvroute.server.observe.observer import Observer
+from kvroute.server.stages.decide import decide
+from kvroute.server.stages.prepare import Prepared, extra_key, hashed, split
 from kvroute.server.state.router import RouterState
-from kvroute.prepare.tokenize import RequestTokenizer
 from kvroute.server.wire.validate import parse_request
 from kvroute.tokenizer import load_tokenizer
 
@@ -97,16 +99,17 @@ def measure(requests: int = REQUESTS, warmup: int = WARMUP, **config_extra: Any)
         t0 = clock()
         parsed = parse_request(raw, False)
         t1 = clock()
-        pending = core.split(parsed)
+        key = extra_key(core, parsed)
+        pending = split(core, parsed)
         t2 = clock()
         pieces = core.tokenizer.finish_pieces(pending)
         t3 = clock()
-        ids, chain = core.hashed(pieces, pending.suffix, parsed.cache_salt)
+        ids, chain = hashed(core, pieces, pending.suffix, key)
         t4 = clock()
-        plan = core.plan(parsed, ids, {}, hashes=chain)
+        plan = decide(core, parsed, Prepared(key, ids, chain), {})
         t5 = clock()
         idx = plan.order[0]
-        rec = obs.planned(f"{n:032x}", plan, "/v1/completions", {}, t0, t5 - t0)
+        rec = obs.planned(f"{n:032x}", plan.decision, plan.shadow, "/v1/completions", {}, t0, t5 - t0)
         obs.attempt(rec, idx, core.backends[idx].url, False, {})
         rec.first_byte = clock()
         obs.response_headers(rec)

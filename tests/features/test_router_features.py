@@ -163,7 +163,9 @@ async def test_readmitted_backend_warms_up_and_gets_preloads(tokenizer: Tokenize
         b.eject()
         assert await server.monitor.check_health(b)  # passes: re-admitted → warming + preloads
         guard = server.state.guard
-        assert guard is not None and guard.warmup is not None and guard.warmup.warming(1, server.state.clock())
+        assert (
+            guard is not None and guard.warmup is not None and guard.warmup.warming(1, server.state.clock())
+        )
         todo = server.state.take_preloads()
         assert len(todo) == 1 and todo[0][0] == 1
         assert await server.monitor.preload(*todo[0])
@@ -184,7 +186,9 @@ async def test_all_blocks_cleared_starts_a_warm_up(tokenizer: Tokenizer) -> None
     try:
         server.state.kv.apply_events(0, [AllBlocksCleared()])
         guard = server.state.guard
-        assert guard is not None and guard.warmup is not None and guard.warmup.warming(0, server.state.clock())
+        assert (
+            guard is not None and guard.warmup is not None and guard.warmup.warming(0, server.state.clock())
+        )
         assert 'kvroute_cold_start_warming{backend="http://a:1"} 1.0' in await metrics(server.url)
     finally:
         await server.stop()

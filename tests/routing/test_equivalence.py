@@ -10,7 +10,7 @@ traffic through their own conventions:
 - **approximate**: each side records where it sent a request and corrects itself from the engine's
   real ``cached_tokens`` when the request finishes.
 
-The live side routes from the request body (token-id prompts through ``RouterState.plan``); the
+The live side routes from the request body (token-id prompts through the live router's prepare and decide stages, :mod:`kvroute.server.stages`); the
 simulator from a :class:`~kvroute.routing.core.RouteRequest` built from the block chain. Every
 decision, with every candidate's terms, must be the same.
 """
@@ -28,11 +28,13 @@ from kvroute.engine.types import EngineConfig, EngineRequest, OutputKind
 from kvroute.features.hotspot import HotspotConfig
 from kvroute.features.settings import FeatureConfig
 from kvroute.policies.registry import make_policy
-from kvroute.routing.core import RouteRequest, build_policy
-from kvroute.server.state.backends import ScrapedMetrics
-from kvroute.server.config import BackendSpec, RouterConfig
-from kvroute.server.state.router import RouterState
 from kvroute.prepare.tokenize import RequestTokenizer
+from kvroute.routing.core import RouteRequest, build_policy
+from kvroute.server.config import BackendSpec, RouterConfig
+from kvroute.server.stages.decide import decide
+from kvroute.server.stages.prepare import prepare_inline
+from kvroute.server.state.backends import ScrapedMetrics
+from kvroute.server.state.router import RouterState
 from kvroute.server.wire.validate import parse_request
 from kvroute.sim.cluster import SimConfig, sim_router
 
@@ -126,7 +128,10 @@ def test_live_and_simulated_cores_decide_alike(mode: str, policy: str) -> None:
             b.table.add(b.slot, prefill=rng.randrange(0, 64))
         views = [b.view(t, 1.0) for b in live.backends]
         body = b'{"model": "m", "prompt": %s, "max_tokens": 3}' % str(ids).encode()
-        plan = live.plan(parse_request(body, chat=False), ids)
+        parsed = parse_request(body, chat=False)
+        prep = prepare_inline(live, parsed)
+        assert list(prep.ids) == ids
+        plan = decide(live, parsed, prep)
         chain = tuple(hash_blocks(ids, BS))
         assert plan.chain == chain
         got = sim.route(RouteRequest(chain, len(ids), 3, req_class="default"), views, t)

@@ -17,9 +17,9 @@ import pytest
 
 from kvroute.commands.settings import backends_from_text
 from kvroute.server.app import RouterServer
-from kvroute.server.state.backends import REMOVED
 from kvroute.server.config import RouterConfig
 from kvroute.server.observe.exporter import render_metrics
+from kvroute.server.state.backends import REMOVED
 from kvroute.server.state.loadtable import url_digest
 from kvroute.tokenizer import Tokenizer
 

@@ -16,12 +16,12 @@ from kvroute.features.coldstart import ColdStartConfig
 from kvroute.features.hotspot import HotspotConfig
 from kvroute.features.loadadapt import LoadAdaptiveConfig
 from kvroute.features.settings import FeatureConfig
-from kvroute.server.sync.admin import spec_from_body
 from kvroute.server.app import RouterServer
-from kvroute.server.state.backends import ACTIVE, DRAINING, REMOVED, Lease
 from kvroute.server.config import BackendSpec, RouterConfig
-from kvroute.server.sync.discovery import Discovery, DnsSource, FileSource, make_source
 from kvroute.server.observe.exporter import render_metrics
+from kvroute.server.state.backends import ACTIVE, DRAINING, REMOVED, Lease
+from kvroute.server.sync.admin import spec_from_body
+from kvroute.server.sync.discovery import Discovery, DnsSource, FileSource, make_source
 from kvroute.server.sync.fleet import STATIC
 from kvroute.server.wire.validate import ApiError
 from kvroute.tokenizer import Tokenizer

@@ -12,9 +12,9 @@ import pytest
 from kvroute.cli import main
 from kvroute.errors import UserError
 from kvroute.server.app import RouterServer
-from kvroute.server.state.backends import BackendState, Lease
 from kvroute.server.cluster import free_port
 from kvroute.server.config import BackendSpec, RouterConfig
+from kvroute.server.state.backends import BackendState, Lease
 from kvroute.server.state.loadtable import LoadTable
 from kvroute.server.sync.peers import (
     PROTOCOL,

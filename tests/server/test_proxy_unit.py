@@ -253,7 +253,8 @@ async def test_health_and_metrics_endpoints(tokenizer: Tokenizer) -> None:
 async def test_long_prompt_tokenized_off_loop_routes_like_inline(tokenizer: Tokenizer) -> None:
     """A prompt over OFFLOAD_CHARS goes through the tokenizer thread; the routing state it leaves
     (the approximate KV view of the chosen backend) equals what the inline path computes."""
-    from kvroute.server.pipeline import OFFLOAD_CHARS
+    from kvroute.server.stages.decide import decide
+    from kvroute.server.stages.prepare import OFFLOAD_CHARS, prepare_inline
     from kvroute.server.wire.validate import parse_request
 
     long_body = {**BODY, "prompt": "the quick brown fox jumps " * (OFFLOAD_CHARS // 20)}
@@ -263,7 +264,8 @@ async def test_long_prompt_tokenized_off_loop_routes_like_inline(tokenizer: Toke
     try:
         status, _, _ = await post(server.url, long_body)
         assert status == 200
-        inline = server.state.plan(parse_request(orjson.dumps(long_body), chat=False))
+        parsed = parse_request(orjson.dumps(long_body), chat=False)
+        inline = decide(server.state, parsed, prepare_inline(server.state, parsed))
         assert server.state.kv.match(inline.chain, server.state.clock())[0] == len(inline.chain) > 0
         assert counters_zero(server)
     finally:
@@ -283,7 +285,7 @@ async def test_deferred_tokenization_corrects_view_and_counters_in_flight(tokeni
     in the chosen backend's KV view and sets its queued prefill to the exact count; counters end at
     zero."""
     from kvroute.blocks import hash_blocks
-    from kvroute.server.pipeline import DEFER_CHARS
+    from kvroute.server.stages.prepare import DEFER_CHARS, defers
 
     prompt = "a completely new document about routing and caches " * (2 * DEFER_CHARS // 50)
     ids = tokenizer.encode(prompt)
@@ -291,7 +293,7 @@ async def test_deferred_tokenization_corrects_view_and_counters_in_flight(tokeni
     gate = asyncio.Event()
     t = FakeTransport({A: [Scripted(gate=gate)]})
     server = await start(t, tokenizer, A, tokenize="defer")
-    assert server.state.defer_tokenize
+    assert defers(server.state)
     try:
         req = asyncio.create_task(post(server.url, {**BODY, "prompt": prompt}))
         backend = server.state.backends[0]
@@ -312,7 +314,7 @@ async def test_deferred_tokenization_corrects_view_and_counters_in_flight(tokeni
 
 async def test_exact_tokenization_records_whole_chain_before_sending(tokenizer: Tokenizer) -> None:
     from kvroute.blocks import hash_blocks
-    from kvroute.server.pipeline import DEFER_CHARS
+    from kvroute.server.stages.prepare import DEFER_CHARS
 
     prompt = "another brand new text for the exact mode " * (2 * DEFER_CHARS // 40)
     chain = hash_blocks(tokenizer.encode(prompt), 16)
@@ -359,10 +361,10 @@ async def test_deferred_tail_waits_for_the_first_byte(
     once the first byte was relayed (the router's work does not hold up the first token), then the
     view has the whole chain and the text is in the token cache."""
     from kvroute.blocks import hash_blocks
-    from kvroute.server import proxy
-    from kvroute.server.pipeline import DEFER_CHARS
+    from kvroute.server.stages import prepare
+    from kvroute.server.stages.prepare import DEFER_CHARS
 
-    monkeypatch.setattr(proxy, "TAIL_GRACE_S", 60.0)
+    monkeypatch.setattr(prepare, "TAIL_GRACE_S", 60.0)
     prompt = "a first byte comes before the tail is tokenized " * (2 * DEFER_CHARS // 45)
     chain = hash_blocks(tokenizer.encode(prompt), 16)
     gate = asyncio.Event()
@@ -389,7 +391,8 @@ async def test_deferred_tail_after_shutdown_is_dropped_quietly(tokenizer: Tokeni
     shut down) is dropped without raising out of the event loop's callback."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvroute.server.pipeline import OFFLOAD_CHARS, _Tail
+    from kvroute.server.stages.decide import decide
+    from kvroute.server.stages.prepare import OFFLOAD_CHARS, Tail, prepare_inline
     from kvroute.server.wire.validate import parse_request
 
     server = await start(FakeTransport({A: []}), tokenizer, A, tokenize="defer")
@@ -397,10 +400,11 @@ async def test_deferred_tail_after_shutdown_is_dropped_quietly(tokenizer: Tokeni
         prompt = "text for a stopping router " * (OFFLOAD_CHARS // 20)
         pending = server.state.tokenizer.split_prompt(prompt)
         assert pending.tail_chars >= OFFLOAD_CHARS
-        plan = server.state.plan(parse_request(orjson.dumps({**BODY, "prompt": "short"}), chat=False))
+        parsed = parse_request(orjson.dumps({**BODY, "prompt": "short"}), chat=False)
+        plan = decide(server.state, parsed, prepare_inline(server.state, parsed))
         pool = ThreadPoolExecutor(max_workers=1)
         pool.shutdown()
-        tail = _Tail(server.state, plan, pool, pending, None)
+        tail = Tail(server.state, plan.cached_blocks, pool, pending, None)
         tail.run()
         tail.run()  # once only
         assert tail.chain is None

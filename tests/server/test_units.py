@@ -17,11 +17,11 @@ from kvroute.commands.settings import config_from_mapping, load_config_file
 from kvroute.engine.types import AllBlocksCleared, BlockRemoved, BlockStored
 from kvroute.errors import UserError
 from kvroute.kvevents import END_SEQ, encode_batch, encode_seq
-from kvroute.routing.kvview import KVView
-from kvroute.server.state.backends import BackendState, Lease, ScrapedMetrics, parse_vllm_metrics
-from kvroute.server.config import BackendSpec, RouterConfig
 from kvroute.prepare.events import EventSubscriber
-from kvroute.server.pipeline import extract_cached_tokens
+from kvroute.routing.kvview import KVView
+from kvroute.server.config import BackendSpec, RouterConfig
+from kvroute.server.state.backends import BackendState, Lease, ScrapedMetrics, parse_vllm_metrics
+from kvroute.server.wire.http import extract_cached_tokens
 
 # ---- config --------------------------------------------------------------------------------------
 

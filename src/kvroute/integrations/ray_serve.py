@@ -72,9 +72,9 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 from kvroute.integrations.inflight import InFlight, instance_view
 from kvroute.integrations.prompts import PromptChains, body_of
 from kvroute.integrations.ray_state import Load, Routed, SharedRoutingState
+from kvroute.prepare.tokenize import RequestTokenizer
 from kvroute.routing.core import Decision, RouteRequest, RoutingCore, build_policy
 from kvroute.routing.kvview import KVView
-from kvroute.prepare.tokenize import RequestTokenizer
 from kvroute.tokenizer import load_tokenizer
 
 __all__ = ["STATE_ACTOR_NAME", "KVRouteRequestRouter", "state_actor"]

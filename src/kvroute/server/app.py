@@ -25,25 +25,26 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from kvroute.policies.registry import make_policy
-from kvroute.server.sync.admin import add_admin_routes, apply_journal_line
-from kvroute.server.state.backends import ACTIVE
+from kvroute.prepare.events import EventSubscriber
+from kvroute.prepare.tokenize import RequestTokenizer
 from kvroute.server.config import BackendSpec, RouterConfig
 from kvroute.server.observe.dashboard import add_dashboard_routes
 from kvroute.server.observe.debug import add_debug_routes
-from kvroute.server.sync.discovery import Discovery, ParseBackends, Resolver
-from kvroute.prepare.events import EventSubscriber
 from kvroute.server.observe.exporter import RouterCollector, render_metrics
 from kvroute.server.observe.feature_metrics import FeatureCollector
-from kvroute.server.sync.fleet import STATIC, Changes, Fleet
-from kvroute.server.wire.h1 import H1Transport
-from kvroute.server.sync.journal import AdminJournal
-from kvroute.server.state.loadtable import LoadTable
-from kvroute.server.sync.monitor import Monitor
 from kvroute.server.observe.observer import Observer
-from kvroute.server.sync.peers import PeerCollector, PeerLink, PeerSettings
-from kvroute.server.pipeline import Proxy, error_response
+from kvroute.server.pipeline import Proxy
+from kvroute.server.state.backends import ACTIVE
+from kvroute.server.state.loadtable import LoadTable
 from kvroute.server.state.router import RouterState
-from kvroute.prepare.tokenize import RequestTokenizer
+from kvroute.server.sync.admin import add_admin_routes, apply_journal_line
+from kvroute.server.sync.discovery import Discovery, ParseBackends, Resolver
+from kvroute.server.sync.fleet import STATIC, Changes, Fleet
+from kvroute.server.sync.journal import AdminJournal
+from kvroute.server.sync.monitor import Monitor
+from kvroute.server.sync.peers import PeerCollector, PeerLink, PeerSettings
+from kvroute.server.wire.h1 import H1Transport
+from kvroute.server.wire.http import error_response
 from kvroute.server.wire.transport import Transport, UpstreamError
 from kvroute.server.wire.validate import ApiError
 from kvroute.tokenizer import Tokenizer, load_tokenizer

@@ -52,7 +52,7 @@ from urllib.parse import urlparse
 from kvroute.errors import UserError
 from kvroute.features.settings import FeatureConfig
 
-__all__ = ["BackendSpec", "RouterConfig", "parse_backend_url"]
+__all__ = ["BackendSpec", "RouterConfig", "parse_backend_url", "parse_peer_endpoint"]
 
 
 TOKENIZE_MODES = ("defer", "exact")  # RouterConfig.tokenize
@@ -236,8 +236,6 @@ class RouterConfig:
         return self
 
     def _validate_peers(self) -> None:
-        from kvroute.server.sync.peers import parse_peer_endpoint
-
         if self.peer_bind is not None:
             parse_peer_endpoint(self.peer_bind, dns=False)
         for p in self.peers:
@@ -261,3 +259,17 @@ def parse_backend_url(url: str) -> str:
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise UserError(f"backend URL {url!r} must look like http://host:port")
     return u
+
+
+def parse_peer_endpoint(text: str, dns: bool = True) -> tuple[str, str, int]:
+    """``tcp://HOST:PORT`` (or, with ``dns``, ``dns://NAME:PORT``) → (scheme, host, port); raises
+    :class:`UserError` otherwise. ``HOST`` may be ``*`` or an IPv6 address in brackets."""
+    scheme, sep, rest = text.partition("://")
+    schemes = ("tcp", "dns") if dns else ("tcp",)
+    want = " or dns://NAME:PORT" if dns else ""
+    host, colon, port = rest.rpartition(":")
+    if not sep or scheme not in schemes or not colon or not host or not port.isdigit():
+        raise UserError(f"peer endpoint {text!r}: expected tcp://HOST:PORT{want}")
+    if not 1 <= int(port) <= 65535:
+        raise UserError(f"peer endpoint {text!r}: port must be in 1..65535")
+    return scheme, host.removeprefix("[").removesuffix("]"), int(port)

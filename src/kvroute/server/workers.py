@@ -78,10 +78,10 @@ from prometheus_client.registry import Collector
 from kvroute.errors import UserError
 from kvroute.server.app import RouterServer
 from kvroute.server.config import RouterConfig
-from kvroute.server.sync.discovery import ParseBackends
-from kvroute.server.state.loadtable import LoadTable, SharedTableSpec
-from kvroute.server.sync.peers import PeerReceiver, new_replica_id
 from kvroute.server.run import Reloader, run_loop, serve_until_signal
+from kvroute.server.state.loadtable import LoadTable, SharedTableSpec
+from kvroute.server.sync.discovery import ParseBackends
+from kvroute.server.sync.peers import PeerReceiver, new_replica_id
 
 __all__ = ["WORKER_HEADER", "Supervisor", "WorkerSpec", "reserve_port", "run_worker", "serve_workers"]
 

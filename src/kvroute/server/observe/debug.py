@@ -18,8 +18,8 @@ import orjson
 from aiohttp import web
 
 from kvroute.server.observe.decisions import DecisionLog, record_json, router_state
-from kvroute.server.pipeline import error_response
 from kvroute.server.state.router import RouterState
+from kvroute.server.wire.http import error_response
 from kvroute.server.wire.validate import ApiError
 
 __all__ = ["add_debug_routes", "bearer_guard", "request_limit"]

@@ -23,8 +23,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvroute.server.state.backends import STATES
 from kvroute.prepare.events import EventSubscriber
+from kvroute.server.state.backends import STATES
 from kvroute.server.state.router import RouterState
 
 __all__ = ["OUTCOMES", "RouterCollector", "render_metrics"]
@@ -36,7 +36,9 @@ drain timed out, which the router ended (see ``RouterServer.shutdown``)."""
 
 
 class RouterCollector(Collector):
-    def __init__(self, core: RouterState, subscribers: Sequence[EventSubscriber], proxy_stats: object) -> None:
+    def __init__(
+        self, core: RouterState, subscribers: Sequence[EventSubscriber], proxy_stats: object
+    ) -> None:
         self.state = core
         self.subscribers = subscribers
         self.proxy_stats = proxy_stats

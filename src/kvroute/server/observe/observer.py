@@ -56,10 +56,11 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvroute.errors import UserError
-from kvroute.routing.shadow import Shadows
+from kvroute.routing.core import Decision
+from kvroute.routing.shadow import ShadowPick, Shadows
 from kvroute.server.observe.decisions import DecisionLog, DecisionRecord
-from kvroute.server.state.router import Plan, RouterState
 from kvroute.server.observe.tracing import Tracing
+from kvroute.server.state.router import RouterState
 
 __all__ = ["EXPLAIN_HEADER", "REQUEST_ID_HEADER", "Observer", "request_id"]
 
@@ -174,24 +175,26 @@ class Observer:
     def planned(
         self,
         rid: str,
-        plan: Plan,
+        decision: Decision,
+        shadow: tuple[ShadowPick, ...],
         path: str,
         headers: Mapping[str, str],
         arrival: float,
         routing_s: float,
     ) -> DecisionRecord:
         """A request was routed: its record (kept in the ring buffer), with its request span when
-        traced. ``arrival``: ``time.perf_counter()`` when it arrived; ``routing_s``: seconds routing."""
+        traced. ``decision``: the routing core's; ``shadow``: the shadow policies' picks for the same
+        request; ``arrival``: ``time.perf_counter()`` when it arrived; ``routing_s``: seconds routing."""
         explain = self.explain_all
         if not explain:
             flag = headers.get(EXPLAIN_HEADER)
             explain = flag is not None and flag.strip().lower() in _TRUE
-        rec = DecisionRecord(rid, plan.decision, path, arrival, routing_s, plan.shadow, explain)
+        rec = DecisionRecord(rid, decision, path, arrival, routing_s, shadow, explain)
         self.log.append(rec)
         if self.tracing is not None:
             start_ns = time.time_ns() - int((time.perf_counter() - arrival) * 1e9)
             span = self.tracing.request_span(f"POST {path}", headers, start_ns)
-            d = plan.decision
+            d = decision
             span.set_attributes(
                 {
                     "kvroute.request_id": rid,

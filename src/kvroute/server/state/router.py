@@ -1,71 +1,42 @@
-"""The routing core: request → token blocks → KV match → instance views → policy → ordered backends.
+"""The router's state: its backends and their membership, the KV view, the routing core and the
+request preparation's caches (tokenizer, chain memo), and the plain request counters.
 
 Membership (backends that come and go) changes here and only here: :meth:`RouterState.add_backend`,
-:meth:`RouterState.drain_backend`, :meth:`RouterState.remove_backend`, :meth:`RouterState.update_backend`;
-the policy and features are swapped with :meth:`RouterState.set_policy`. A backend's index (its KV view
-bit, ``InstanceView.index``) is never reused in a process: a removed backend stays in ``backends``
-with ``state == "removed"``. The server side (event subscribers, health checks, reconciling a desired
-list) is :mod:`kvroute.server.sync.fleet`.
+:meth:`RouterState.drain_backend`, :meth:`RouterState.remove_backend`,
+:meth:`RouterState.update_backend`; the policy and features are swapped with
+:meth:`RouterState.set_policy`. A backend's index (its KV view bit, ``InstanceView.index``) is never
+reused in a process: a removed backend stays in ``backends`` with ``state == "removed"``. The server
+side (event subscribers, health checks, reconciling a desired list) is :mod:`kvroute.server.sync.fleet`;
+the request's stages that read this state are :mod:`kvroute.server.stages`.
 
-No sockets here: backends are reached through the :class:`~kvroute.server.wire.transport.Transport` given
-to the proxy, and the clock is injected (``clock()`` returns monotonic seconds), so this runs the same
-under tests and in production.
+Not the routing core (:class:`~kvroute.routing.core.RoutingCore`, which decides): this holds it.
+No sockets here, and the clock is injected (``clock()`` returns monotonic seconds), so this runs the
+same under tests and in production.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 
-from kvroute.blocks import extra_key, hash_blocks
-from kvroute.chat_template import ChatTemplateError
-from kvroute.features.classes import CLASS_HEADER, resolve_class
 from kvroute.features.coldstart import Prefix
 from kvroute.features.settings import FeatureConfig
 from kvroute.policies.base import Policy
-from kvroute.routing.core import Decision, RouteRequest, RoutingCore, with_features
+from kvroute.prepare.chainmemo import ChainMemo
+from kvroute.prepare.tokenize import RequestTokenizer
+from kvroute.routing.core import RoutingCore, with_features
 from kvroute.routing.kvview import KVView
-from kvroute.routing.shadow import ShadowPick, Shadows
-from kvroute.server.state.backends import ACTIVE, DRAINING, REMOVED, BackendState
-from kvroute.prepare.chainmemo import ChainMemo, Piece
+from kvroute.routing.shadow import Shadows
 from kvroute.server.config import BackendSpec, RouterConfig
+from kvroute.server.state.backends import ACTIVE, DRAINING, REMOVED, BackendState
 from kvroute.server.state.loadtable import LoadTable
 from kvroute.server.state.pools import ModelPools
-from kvroute.prepare.tokenize import Pending, RequestTokenizer
-from kvroute.server.wire.validate import ApiError, ParsedRequest
 
-__all__ = ["Plan", "QuotaExceeded", "RouterState", "RouterCounters"]
+__all__ = ["RouterCounters", "RouterState"]
 
 log = logging.getLogger("kvroute.server")
-
-
-class QuotaExceeded(ApiError):
-    """429: the request's user / API key is over its token quota; retry after ``retry_after`` s."""
-
-    def __init__(self, message: str, retry_after: int, decision: Decision | None = None) -> None:
-        super().__init__(429, message, etype="rate_limit_exceeded")
-        self.retry_after = retry_after
-        self.decision = decision  # the core's refusal (reason "quota"), for the decision log
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """A routing decision: ``order`` lists backend indices, best first (the retry order);
-    ``new_prefill[i]`` is the uncached prompt tokens if sent to backend ``i`` (tokens); ``chain`` the
-    prompt's block hashes; ``cached_blocks[i]`` the predicted cached prefix on backend ``i`` (blocks);
-    ``shadow``: the shadow policies' choices for the same request (``config.shadow``)."""
-
-    order: tuple[int, ...]
-    chain: tuple[int, ...]
-    prompt_tokens: int
-    new_prefill: dict[int, int]
-    cached_blocks: dict[int, int]
-    decision: Decision
-    shadow: tuple[ShadowPick, ...] = ()
 
 
 class RouterCounters:
@@ -128,7 +99,7 @@ class RouterState:
         self.guard = self.routing.guard  # production features' state, when any is on
         # shadow policies over the same KV view (read-only there), each with its own state
         self.shadows = Shadows(config.shadow, self.kv) if config.shadow else None
-        self._tags = {i: frozenset(b.tags) for i, b in enumerate(config.backends) if b.tags}
+        self.tags = {i: frozenset(b.tags) for i, b in enumerate(config.backends) if b.tags}
         self.pools = ModelPools()  # what each backend serves: a request's model picks its pool
         for i, b in enumerate(config.backends):
             self.pools.declare(i, b.models, b.lora_adapters)
@@ -183,9 +154,9 @@ class RouterState:
 
     def _set_tags(self, index: int, spec: BackendSpec) -> None:
         if spec.tags:
-            self._tags[index] = frozenset(spec.tags)
+            self.tags[index] = frozenset(spec.tags)
         else:
-            self._tags.pop(index, None)
+            self.tags.pop(index, None)
 
     def drain_backend(self, index: int) -> None:
         """Backend ``index`` takes no new requests from now on (its requests in flight go on);
@@ -211,7 +182,7 @@ class RouterState:
         b.state = REMOVED
         b.healthy = False
         b.scraped = None
-        self._tags.pop(index, None)
+        self.tags.pop(index, None)
         self.pools.forget(index)
         self.kv.remove_backend(index)
 
@@ -229,147 +200,6 @@ class RouterState:
         self.guard = self.routing.guard
         self.config = dataclasses.replace(self.config, policy=name, features=features)
         self._watch_cleared()
-
-    @property
-    def defer_tokenize(self) -> bool:
-        """Route before tokenizing new text (``config.tokenize == "defer"``, features off)."""
-        return self.config.tokenize == "defer" and self.guard is None
-
-    def split(self, req: ParsedRequest) -> Pending:
-        """The prompt split at its first uncached piece (400 for content the tokenizer rejects)."""
-        try:
-            if req.chat:
-                assert req.messages is not None
-                return self.tokenizer.split_chat(req.messages, options=req.chat_options)
-            assert req.prompt is not None
-            return self.tokenizer.split_prompt(req.prompt)
-        except ChatTemplateError as exc:  # the template's own message (raise_exception)
-            raise ApiError(400, exc.message, "messages") from None
-        except (TypeError, ValueError, KeyError) as exc:
-            raise ApiError(400, f"cannot tokenize the request: {exc}") from None
-
-    def extra_key(self, req: ParsedRequest) -> str | bytes | None:
-        """The extra key of ``req``'s blocks: its LoRA adapter (when its model is one) and its
-        ``cache_salt`` (:func:`kvroute.blocks.extra_key`)."""
-        adapter = req.model if self.pools.is_adapter(req.model) else None
-        return extra_key(adapter, req.cache_salt)
-
-    def tokens(self, req: ParsedRequest) -> list[int]:
-        """The prompt's token ids (400 for content the tokenizer rejects)."""
-        return self.tokenizer.finish(self.split(req))
-
-    def hashed(
-        self, pieces: Sequence[Piece], suffix: Sequence[int], salt: str | bytes | None
-    ) -> tuple[list[int], tuple[int, ...]]:
-        """The prompt's token ids and block chain from its pieces (see :mod:`.chainmemo`); 400 for
-        token ids outside [0, 2**32)."""
-        ids: list[int] = []
-        for _, part in pieces:
-            ids.extend(part)
-        ids.extend(suffix)
-        try:
-            return ids, tuple(self.chains.chain(pieces, suffix, salt))
-        except ValueError as exc:
-            raise ApiError(400, f"invalid token ids: {exc}", "prompt") from None
-
-    def plan(
-        self,
-        req: ParsedRequest,
-        ids: Sequence[int] | None = None,
-        headers: Mapping[str, str] | None = None,
-        tail_tokens: int = 0,
-        hashes: Sequence[int] | None = None,
-    ) -> Plan:
-        """Route ``req`` through the routing core (``ids``: its token ids when already computed, e.g.
-        on a worker thread, or only their known leading part, followed by about ``tail_tokens`` more:
-        then the chain covers the known part and the prompt length is estimated; ``headers``: the
-        client's, for the class header and the API key). Raises ApiError(503) when no backend is
-        healthy, 400 for untokenizable input or an unknown request class, QuotaExceeded (429) over
-        quota, 404 for a model no backend serves. ``hashes``: the block hashes of ``ids`` when already
-        computed (:meth:`hashed`). Candidates: the healthy active backends of ``req.model``'s pool."""
-        candidates = [b for b in self.backends if b.healthy and b.state == ACTIVE]
-        if not candidates:
-            raise ApiError(503, "no healthy backend", etype="service_unavailable")
-        if self.pools.known and req.model is not None:
-            candidates = self.pools.select(req.model, self.live_backends(), candidates)
-        if ids is None:
-            ids = self.tokens(req)
-        if hashes is not None:
-            chain = tuple(hashes)
-        else:
-            try:
-                chain = tuple(hash_blocks(ids, self.config.block_size, extra_key=self.extra_key(req)))
-            except ValueError as exc:
-                raise ApiError(400, f"invalid token ids: {exc}", "prompt") from None
-        now = self.clock()
-        stale = self.config.scrape_stale_s
-        views = [b.view(now, stale) for b in candidates]
-        if self._tags:
-            tags = self._tags
-            views = [dataclasses.replace(v, tags=tags[v.index]) if v.index in tags else v for v in views]
-        rr = self._request(req, headers or {}, ids, chain, len(ids) + tail_tokens)
-        decision = self.routing.route(rr, views, now)
-        if self.guard is not None:
-            self.drain_log()
-        if decision.instance is None:  # refused by the token quota
-            wait = decision.retry_after_s
-            who = "this API key" if rr.quota_key is not None and rr.quota_key != req.user else "this user"
-            raise QuotaExceeded(
-                f"token quota exceeded for {who}; retry in {wait:.1f} s", max(1, math.ceil(wait)), decision
-            )
-        shadows = self.shadows
-        picks = shadows.observe(rr, views, now, decision) if shadows is not None else ()
-        bs = self.config.block_size
-        return Plan(
-            order=decision.order,
-            chain=chain,
-            prompt_tokens=rr.prompt_tokens,
-            new_prefill={
-                i: rr.prompt_tokens - c
-                for i, c in zip(decision.instances, decision.cached_tokens, strict=True)
-            },
-            cached_blocks={
-                i: c // bs for i, c in zip(decision.instances, decision.cached_tokens, strict=True)
-            },
-            decision=decision,
-            shadow=picks,
-        )
-
-    def _request(
-        self,
-        req: ParsedRequest,
-        headers: Mapping[str, str],
-        ids: Sequence[int],
-        chain: tuple[int, ...],
-        prompt_tokens: int,
-    ) -> RouteRequest:
-        """The core's view of ``req``: request class from the header (400 for an unknown one) and the
-        quota key (API key or user, as the quota feature says)."""
-        guard = self.guard
-        req_class = "default"
-        quota_key = None
-        if guard is not None:
-            feats = guard.features
-            if feats.quota is not None:
-                auth = headers.get("Authorization") or headers.get("authorization") or ""
-                api_key = auth[7:].strip() if auth[:7].lower() == "bearer " else None
-                quota_key = (api_key or req.user) if feats.quota.key == "api_key" else (req.user or api_key)
-            if feats.classes is not None:
-                try:
-                    req_class = resolve_class(headers.get(CLASS_HEADER), req.user, req.model, feats.classes)
-                except ValueError as exc:
-                    raise ApiError(400, str(exc)) from None
-        return RouteRequest(
-            chain=chain,
-            prompt_tokens=prompt_tokens,
-            max_tokens=req.max_tokens,
-            user=req.user,
-            req_class=req_class,
-            quota_key=quota_key,
-            model=req.model,
-            # salted or adapter chains cannot be preloaded as plain prompts
-            token_ids=ids if self.extra_key(req) is None else None,
-        )
 
     def backend_reset(self, index: int) -> None:
         """Backend ``index`` restarted, was re-admitted or cleared its cache: with cold start on it

@@ -36,12 +36,12 @@ from urllib.parse import urlparse
 import orjson
 from aiohttp import web
 
-from kvroute.server.state.backends import REMOVED, BackendState
 from kvroute.server.config import BackendSpec
+from kvroute.server.state.backends import REMOVED, BackendState
+from kvroute.server.state.loadtable import url_digest
 from kvroute.server.sync.fleet import ADMIN, Fleet
 from kvroute.server.sync.journal import AdminJournal
-from kvroute.server.state.loadtable import url_digest
-from kvroute.server.pipeline import error_response
+from kvroute.server.wire.http import error_response
 from kvroute.server.wire.validate import ApiError
 
 __all__ = ["add_admin_routes", "apply_journal_line", "backend_json", "spec_from_body"]

@@ -37,11 +37,11 @@ from typing import Any
 
 import zmq.asyncio
 
-from kvroute.server.state.backends import ACTIVE, DRAINING, BackendState
-from kvroute.server.config import BackendSpec
 from kvroute.prepare.events import EventSubscriber
-from kvroute.server.sync.monitor import Monitor
+from kvroute.server.config import BackendSpec
+from kvroute.server.state.backends import ACTIVE, DRAINING, BackendState
 from kvroute.server.state.router import RouterState
+from kvroute.server.sync.monitor import Monitor
 
 __all__ = ["ADMIN", "REAP_INTERVAL_S", "STATIC", "Changes", "Fleet"]
 

@@ -23,9 +23,9 @@ import orjson
 
 from kvroute.features.coldstart import Prefix
 from kvroute.server.state.backends import ACTIVE, BackendState, Lease
-from kvroute.server.sync.engines import SCRAPE_PATH, parse_metrics
 from kvroute.server.state.pools import parse_model_list
 from kvroute.server.state.router import RouterState
+from kvroute.server.sync.engines import SCRAPE_PATH, parse_metrics
 from kvroute.server.wire.transport import Transport, UpstreamError
 
 __all__ = ["Monitor"]

@@ -54,6 +54,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvroute.errors import UserError
+from kvroute.server.config import parse_peer_endpoint
 from kvroute.server.state.loadtable import LoadTable
 
 __all__ = [
@@ -153,20 +154,6 @@ def delta_kind(waiting: int, running: int) -> str:
 
 
 # ------------------------------------------------------------------------------------ endpoints
-
-
-def parse_peer_endpoint(text: str, dns: bool = True) -> tuple[str, str, int]:
-    """``tcp://HOST:PORT`` (or, with ``dns``, ``dns://NAME:PORT``) → (scheme, host, port); raises
-    :class:`UserError` otherwise. ``HOST`` may be ``*`` or an IPv6 address in brackets."""
-    scheme, sep, rest = text.partition("://")
-    schemes = ("tcp", "dns") if dns else ("tcp",)
-    want = " or dns://NAME:PORT" if dns else ""
-    host, colon, port = rest.rpartition(":")
-    if not sep or scheme not in schemes or not colon or not host or not port.isdigit():
-        raise UserError(f"peer endpoint {text!r}: expected tcp://HOST:PORT{want}")
-    if not 1 <= int(port) <= 65535:
-        raise UserError(f"peer endpoint {text!r}: port must be in 1..65535")
-    return scheme, host.removeprefix("[").removesuffix("]"), int(port)
 
 
 def _tcp(host: str, port: int) -> str:

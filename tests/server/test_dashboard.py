@@ -91,11 +91,11 @@ def test_hotspot_view_lists_alarms_and_events() -> None:
 
 
 def test_static_files_are_package_data() -> None:
-    static = resources.files("kvroute.server").joinpath("static")
+    static = resources.files("kvroute.server.observe").joinpath("static")
     for name in ("dashboard.html", *STATIC_FILES):
         assert static.joinpath(name).read_bytes(), name
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    assert "server/static/*" in data["kvroute"]
+    assert "server/observe/static/*" in data["kvroute"]
     page = static.joinpath("dashboard.html").read_text()
     for name in STATIC_FILES:  # the page names its assets relative to /dashboard
         assert f'"dashboard/static/{name}"' in page

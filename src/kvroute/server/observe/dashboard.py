@@ -49,7 +49,7 @@ _HEADERS = {
 
 
 def _read(name: str) -> bytes:
-    return resources.files("kvroute.server.observe.observer").joinpath("static", name).read_bytes()
+    return resources.files("kvroute.server.observe").joinpath("static", name).read_bytes()
 
 
 def add_dashboard_routes(app: web.Application, obs: Observer, token: str) -> None:

@@ -106,7 +106,7 @@ def test_kv_events_change_is_an_update_that_switches_the_view(tokenizer: Tokeniz
     assert core.kv.match(CHAIN, core.clock())[1] == 3
     changes = server.reconcile([BackendSpec(A), BackendSpec(B, tags=("spot",))])
     assert changes.resubscribed == (B,) and core.kv.mode(1, core.clock()) == "approx"
-    assert core._tags == {1: frozenset({"spot"})}
+    assert core.tags == {1: frozenset({"spot"})}
     assert not server.reconcile([BackendSpec(A), BackendSpec(B, tags=("spot",))])
 
 

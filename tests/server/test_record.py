@@ -214,3 +214,32 @@ async def test_replay_of_a_recorded_run_agrees_with_the_live_run(
     )
     assert abs(live_engine_ms - sim_ms) <= 0.10 * sim_ms
     assert abs(live_hits - sim["kv_hit_rate"]) < 0.05
+
+
+def test_compare_on_a_recorded_trace_names_the_best_policy_at_the_slo(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvroute.workloads.record import RecordedRequest, TraceRecorder
+
+    path = tmp_path / "live.jsonl"
+    clock = [0.0]
+    with path.open("wb") as f:
+        rec = TraceRecorder(f, 16, lambda: clock[0], started_unix=0.0)
+        for at, prompt, n in _workload() * 2:
+            clock[0] = at if clock[0] <= at else clock[0] + 0.05
+            ticket, arrival = rec.begin()
+            chain = tuple(hash_blocks(prompt, 16))
+            rec.finish(ticket, RecordedRequest(arrival, len(prompt), n, chain, "emu"))
+        rec.close()
+    argv = ["compare", "--trace", str(path), "--instances", "2", "--policies", "lmetric,round-robin"]
+    argv += ["--rate-scales", "1", "--out", str(tmp_path / "o"), "--jobs", "1", "--no-progress"]
+    assert cli_main([*argv, "--slo-ttft-ms", "400", "--slo-tpot-ms", "100"]) == 0
+    out = capsys.readouterr().out
+    saved = json.loads((tmp_path / "o" / "results.json").read_text())
+    caps = {p: c["rate"] for p, c in saved["capacity"]["policies"].items()}
+    assert set(caps) == {"lmetric", "round-robin"}
+    line = next(x for x in out.splitlines() if x.startswith(("Best at this SLO", "No policy")))
+    known = {p: r for p, r in caps.items() if r is not None}
+    if known:
+        top = max(known.values())
+        assert all(p in line for p, r in known.items() if r == top)

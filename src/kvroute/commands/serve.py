@@ -40,6 +40,7 @@ _SIMPLE = {
     "explain": "explain",
     "decisions_kept": "decisions_kept",
     "access_log": "access_log",
+    "record": "record",
     "otel": "otel",
 }
 
@@ -192,6 +193,12 @@ def add_observe_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--access-log", metavar="FILE", help="append one JSON line per request to FILE (- for stdout)"
+    )
+    p.add_argument(
+        "--record",
+        metavar="FILE",
+        help="write the routed traffic to FILE as a replayable trace (kvroute sim --trace FILE); "
+        "block chains and ids keyed with a secret per-file salt",
     )
     g.add_argument(
         "--shadow",

@@ -33,6 +33,7 @@ from kvroute.server.observe.debug import add_debug_routes
 from kvroute.server.observe.exporter import RouterCollector, render_metrics
 from kvroute.server.observe.feature_metrics import FeatureCollector
 from kvroute.server.observe.observer import Observer
+from kvroute.server.observe.recording import TrafficRecording
 from kvroute.server.pipeline import Proxy
 from kvroute.server.state.backends import ACTIVE
 from kvroute.server.state.loadtable import LoadTable
@@ -103,7 +104,8 @@ class RouterServer:
         self.registry = CollectorRegistry(auto_describe=True)
         # decisions, latency histograms, access log, traces (tracer_provider: tests; else --otel's)
         self.observer = Observer(self.state, self.registry, tracer_provider)
-        self.proxy = Proxy(self.state, self.transport, self.observer)
+        recording = TrafficRecording(config.record, config.block_size) if config.record else None
+        self.proxy = Proxy(self.state, self.transport, self.observer, recording)
         self.monitor = Monitor(self.state, self.transport)
         self.background = background
         self.subscribers: list[EventSubscriber] = []  # live KV event subscribers (the fleet's)
@@ -300,6 +302,8 @@ class RouterServer:
         await self.transport.close()
         self.proxy.close()
         self.observer.close()
+        if self.proxy.recording is not None:
+            self.proxy.recording.close()
 
     # ---- small endpoints -----------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ The command-line flags and the YAML file that build it are read by :mod:`kvroute
     explain: false                            # every response carries x-kvroute-* explanation headers
     decisions_kept: 1000                      # decision records kept for GET /debug/decisions
     access_log: null                          # JSON lines access log: a file path, or - for stdout
+    record: null                              # the routed traffic as a replayable trace (kvroute sim --trace)
     shadow: [vllm, round-robin]               # shadow policies, computed beside the real one
     otel: false                               # OpenTelemetry traces (the otel extra)
     ...                                       # any other RouterConfig field by name
@@ -173,6 +174,7 @@ class RouterConfig:
     explain: bool = False
     decisions_kept: int = 1000
     access_log: str | None = None
+    record: str | None = None  # --record FILE (kvroute.server.observe.recording); one writer: workers == 1
     shadow: tuple[str, ...] = ()
     otel: bool = False
 
@@ -190,6 +192,10 @@ class RouterConfig:
         ):
             raise UserError(
                 f"config: discover_kv_events={self.discover_kv_events!r} must be a tcp:// template"
+            )
+        if self.record is not None and self.workers > 1:
+            raise UserError(
+                "config: record needs workers: 1 (each worker would write its own trace into one file)"
             )
         if self.admin_token is not None and not self.admin_token.strip():
             raise UserError("config: admin_token must not be empty")

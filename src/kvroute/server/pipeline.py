@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from kvroute.server.observe.observer import REQUEST_ID_HEADER, Observer, request_id
+from kvroute.server.observe.recording import TrafficRecording
 from kvroute.server.stages.decide import decide
 from kvroute.server.stages.forward import forward, reserve, sent, takes
 from kvroute.server.stages.prepare import Prepared, Tail, prepare
@@ -63,8 +64,15 @@ class Proxy:
     (:mod:`kvroute.server.observe.observer`; by default one on a registry of its own). Tracks the
     requests in flight for the shutdown."""
 
-    def __init__(self, state: RouterState, transport: Transport, observer: Observer | None = None) -> None:
+    def __init__(
+        self,
+        state: RouterState,
+        transport: Transport,
+        observer: Observer | None = None,
+        recording: TrafficRecording | None = None,
+    ) -> None:
         self.state = state
+        self.recording = recording  # --record FILE: every routed request into a trace
         self.transport = transport
         if observer is None:
             from prometheus_client import CollectorRegistry
@@ -179,6 +187,9 @@ class Proxy:
         headers = forward_headers(request)
         headers[REQUEST_ID_HEADER] = rid
         rec = obs.planned(rid, plan.decision, plan.shadow, path, request.headers, arrival, t5 - t0)
+        recording = self.recording
+        ticket = recording.begin(arrival) if recording is not None else 0
+        end: bytes | None = None
         try:
             attempts = plan.order[: 1 + state.config.max_retries]
             last_error = "no backend available"
@@ -224,6 +235,7 @@ class Proxy:
                     last_error = f"backend {target.url} failed before its first byte"
                     continue
                 settle(state, plan, idx, out, tail, rec)  # settle
+                end = out.end
                 if out.cancelled:  # the client left (or the drain ended it): the cancellation goes on
                     raise asyncio.CancelledError
                 assert out.response is not None
@@ -231,6 +243,10 @@ class Proxy:
             return unavailable(state, obs, rec, last_error)
         finally:
             obs.finish(rec)
+            if recording is not None:
+                chain = tail.chain if tail is not None and tail.chain is not None else plan.chain
+                prompt = plan.decision.prompt_tokens
+                recording.end(ticket, arrival, parsed, chain, prompt, request.headers, rec.status, end)
 
     def _timed(self, t0: float, t1: float, prep: Prepared, t5: float) -> None:
         """Add one request's routing time (seconds) to the totals by step."""

@@ -144,10 +144,15 @@ class TraceRecorder:
         """Seconds since the recorder started."""
         return self._clock() - self._t0
 
-    def begin(self) -> tuple[int, float]:
-        """A request arrived now: its ticket and arrival (seconds since the recorder started)."""
+    def since_start(self, at: float) -> float:
+        """``at`` (a reading of the clock, seconds) as seconds since the recorder started."""
+        return at - self._t0
+
+    def begin(self, at: float | None = None) -> tuple[int, float]:
+        """A request arrived at ``at`` (a reading of the clock; None: now): its ticket and arrival (seconds
+        since the recorder started), to pass back with :meth:`finish`."""
         ticket = next(self._tickets)
-        arrival = self.now()
+        arrival = self.now() if at is None else self.since_start(at)
         self._open[ticket] = arrival
         heapq.heappush(self._open_heap, (arrival, ticket))
         return ticket, arrival

@@ -116,3 +116,22 @@ def _with(spec: RunSpec, **kw: object) -> RunSpec:
     from dataclasses import replace
 
     return replace(spec, **kw)  # type: ignore[arg-type]
+
+
+def test_compare_pd_cli(tmp_path, capsys):
+    import json
+
+    from kvroute.cli import main
+
+    argv = ["compare", "--workload", "chatbot", "--duration", "8", "--kv-tokens", "200000", "--jobs", "1"]
+    out = tmp_path / "o"
+    assert main([*argv, "--pd", "1:1", "--out", str(out), "--no-progress", "--rate-scales", "1"]) == 0
+    table = (out / "pd.md").read_text()
+    assert "| colocated 2 | 2 | ×1 |" in table and "| 1:1 | 2 | ×1 |" in table and "Capacity at" in table
+    res = json.loads((out / "pd.json").read_text())
+    assert [r["fleet"] for r in res["runs"]] == ["colocated 2", "1:1"]
+    assert res["runs"][0]["requests"] == res["runs"][1]["requests"] > 0
+    assert set(res["capacity"]["fleets"]) == {"colocated 2", "1:1"}
+    for bad, msg in ((["--pd", "1:0"], "at least one"), (["--pd", "1:1", "--policies", "a,b"], "one policy")):
+        assert main([*argv, *bad, "--out", str(out), "--no-progress"]) == 2
+        assert msg in capsys.readouterr().err

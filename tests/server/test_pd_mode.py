@@ -252,3 +252,61 @@ async def test_decisions_dashboard_metrics_and_bad_input(fleet):
     assert recs[0]["request_id"] in page and "disaggregated" in page
     assert 'kvroute_pd_requests_total{reason="disaggregated"} 1.0' in metrics
     assert models["data"][0]["id"] == MODEL
+
+
+def parse_serve(*argv: str) -> Any:
+    from kvroute.cli import build_parser
+
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_serve_flags_and_config_roles(tmp_path):
+    from kvroute.commands.pdserve import pd_config, wants_pd
+
+    args = parse_serve(
+        "--prefill", "http://127.0.0.1:9001", "--decode", "http://127.0.0.1:9002", "--decode", "http://127.0.0.1:9003",
+        "--kv-events", "http://127.0.0.1:9001=tcp://127.0.0.1:5557", "--policy", "lmetric",
+    )  # fmt: skip
+    assert wants_pd(args, ())
+    cfg, _tok, _cost, transfer = pd_config(args)
+    assert [b.url for b in cfg.prefill] == ["http://127.0.0.1:9001"] and len(cfg.decode) == 2
+    assert cfg.prefill[0].kv_events == "tcp://127.0.0.1:5557" and cfg.conditional
+    assert transfer.bandwidth_bytes_per_s == 25e9
+    conf = tmp_path / "r.yaml"
+    conf.write_text(
+        "backends:\n"
+        "  - {url: 'http://127.0.0.1:9101', role: prefill, kv_events: 'tcp://127.0.0.1:6001'}\n"
+        "  - {url: 'http://127.0.0.1:9102', role: decode}\n"
+    )
+    cfg, *_ = pd_config(parse_serve("--config", str(conf), "--no-conditional"))
+    assert [b.url for b in cfg.prefill] == ["http://127.0.0.1:9101"] and cfg.prefill[0].kv_events
+    assert [b.url for b in cfg.decode] == ["http://127.0.0.1:9102"] and not cfg.conditional
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--prefill", "http://127.0.0.1:9001"], "at least one --decode"),
+        (["--decode", "http://127.0.0.1:9001", "--backend", "http://127.0.0.1:9002"], "--backend is for"),
+        (["--decode", "http://127.0.0.1:9001", "--prefill", "http://127.0.0.1:9001"], "listed once"),
+        (["--decode", "http://127.0.0.1:9001", "--kv-transfer-bandwidth", "0"], "positive"),
+        (["--decode", "http://127.0.0.1:9001", "--kv-events", "http://127.0.0.1:7=tcp://x:1"], "neither"),
+        (["--decode", "http://127.0.0.1:9001", "--policy", "nope"], "nope"),
+    ],
+)
+def test_serve_bad_pd_flags(argv, fragment):
+    from kvroute.commands.pdserve import pd_config
+    from kvroute.errors import UserError
+
+    with pytest.raises(UserError, match=fragment):
+        pd_config(parse_serve(*argv))
+
+
+def test_config_role_must_be_known(tmp_path):
+    from kvroute.commands.settings import load_config_file
+    from kvroute.errors import UserError
+
+    conf = tmp_path / "r.yaml"
+    conf.write_text("backends:\n  - {url: 'http://127.0.0.1:9101', role: prefil}\n")
+    with pytest.raises(UserError, match="role must be prefill or decode"):
+        load_config_file(conf)

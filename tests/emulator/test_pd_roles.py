@@ -95,7 +95,8 @@ async def test_prefill_then_decode_nixl_flow(start_role, tokenizer, stream):
         assert kv["remote_engine_id"] == p.kv_transfer.engine_id  # type: ignore[union-attr]
         assert (kv["remote_host"], kv["remote_port"]) == ("127.0.0.1", p.side.port)  # type: ignore[union-attr]
         assert kv["remote_request_id"] == pr["id"] == "cmpl-r1" and kv["tp_size"] == 1
-        assert len(kv["remote_block_ids"]) == -(-(n + 1) // 16)  # the prompt's and the token's blocks
+        assert [len(g) for g in kv["remote_block_ids"]] == [-(-(n + 1) // 16)]  # one group: prompt + token
+        assert kv["transfer_mode"] == "pull" and kv["remote_num_tokens"] == n
         assert pr["usage"]["completion_tokens"] == 1
         assert p.model.stats().held_requests == 1  # pinned under the lease
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "stream": stream, "kv_transfer_params": kv}
@@ -232,11 +233,16 @@ def test_cli_flags_and_env(monkeypatch):
     from kvroute.commands.engine import build
 
     cfg = '{"kv_connector":"NixlConnector","kv_role":"kv_producer","engine_id":"p0"}'
-    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "30")
     settings, profile, _ = build(parse("--kv-transfer-config", cfg, "--kv-side-channel-port", "5601"))
     kt = settings.kv_transfer
     assert kt is not None and (kt.role, kt.engine_id, kt.side_port) == ("kv_producer", "p0", 5601)
-    assert kt.lease_timeout_s == 30.0 and kt.bandwidth_gbps == 25.0
+    assert kt.lease_timeout_s == 30.0 and kt.bandwidth_gbps == 25.0  # vLLM 0.32's kv_lease_duration
+    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "480")  # older vLLM's name
+    kt = build(parse("--kv-transfer-config", cfg))[0].kv_transfer
+    assert kt is not None and kt.lease_timeout_s == 480.0
+    lease = '{"kv_connector":"NixlConnector","kv_connector_extra_config":{"kv_lease_duration":12}}'
+    kt = build(parse("--kv-transfer-config", lease))[0].kv_transfer
+    assert kt is not None and kt.lease_timeout_s == 12.0 and kt.role == "kv_both"
     assert settings.kv_bytes_per_token == profile.model.kv_bytes_per_token > 0
     assert build(parse())[0].kv_transfer is None
 
@@ -249,6 +255,13 @@ def test_cli_flags_and_env(monkeypatch):
         (["--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"both"}'], "kv_role must be"),
         (["--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_rol":"kv_both"}'], "unknown field"),
         (["--kv-lease-timeout", "3"], "goes with --kv-transfer-config"),
+        (
+            [
+                "--kv-transfer-config",
+                '{"kv_connector":"NixlConnector","kv_connector_extra_config":{"kv_lease_duration":0}}',
+            ],
+            "kv_lease_duration",
+        ),
         (
             ["--kv-transfer-config", '{"kv_connector":"NixlConnector"}', "--kv-transfer-bandwidth", "0"],
             "positive",

@@ -163,7 +163,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-lease-timeout",
         type=float,
         default=None,
-        help="seconds P keeps unread blocks (default: $VLLM_NIXL_ABORT_REQUEST_TIMEOUT, else 480)",
+        help="seconds P keeps unread blocks (default: the config's kv_connector_extra_config."
+        "kv_lease_duration, else $VLLM_NIXL_ABORT_REQUEST_TIMEOUT (older vLLM), else 30 as vLLM 0.32)",
     )
     pd.add_argument(
         "--kv-transfer-bandwidth",
@@ -297,7 +298,7 @@ def _kv_transfer(args: argparse.Namespace) -> KVTransferSettings | None:
             raise UserError(f"--{given[0].replace('_', '-')} goes with --kv-transfer-config")
         return None
     try:
-        connector, role, engine_id = parse_kv_transfer_config(args.kv_transfer_config)
+        connector, role, engine_id, config_lease = parse_kv_transfer_config(args.kv_transfer_config)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     port = args.kv_side_channel_port
@@ -308,7 +309,7 @@ def _kv_transfer(args: argparse.Namespace) -> KVTransferSettings | None:
     host = args.kv_side_channel_host or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or args.host
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"  # D must connect somewhere: the loopback of an engine listening everywhere
-    lease = args.kv_lease_timeout
+    lease = args.kv_lease_timeout if args.kv_lease_timeout is not None else config_lease
     if lease is None:
         lease = _env_number("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", float) or DEFAULT_LEASE_TIMEOUT_S
     bandwidth = (

@@ -5,10 +5,14 @@ vLLM's flow (``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`` and 
 
 - **P** (a request with ``kv_transfer_params.do_remote_decode``): prefills, samples its token, and
   answers with a top-level ``kv_transfer_params`` = ``{do_remote_prefill: true, do_remote_decode:
-  false, remote_block_ids, remote_engine_id, remote_request_id, remote_host, remote_port, tp_size}``.
+  false, remote_block_ids (one list per KV cache group), remote_engine_id, remote_request_id,
+  remote_host, remote_port, tp_size, dcp_size, pp_size, remote_num_tokens, remote_blocks_expiry_time,
+  transfer_mode: "pull"}`` (vLLM 0.32's ``nixl/pull_scheduler.py`` ``request_finished``).
   Its blocks stay referenced under a lease (:class:`Leases`) until D reads them and notifies, or until
-  ``lease_timeout_s`` (vLLM: ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s) passes. An aborted P request
-  frees at once (vLLM frees unless the request finished by length).
+  ``lease_timeout_s`` passes (vLLM 0.32: ``kv_connector_extra_config.kv_lease_duration``, 30 s, which
+  D's heartbeats renew; older vLLM: ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s). Heartbeats are not
+  emulated: D reads as soon as it gets the request. An aborted P request frees at once (vLLM frees
+  unless the request finished by length).
 - **D** (``kv_transfer_params.do_remote_prefill`` with P's fields): asks P over the side channel
   whether the blocks are still there (``read``), waits the modelled transfer time of the tokens it
   lacks (:class:`kvroute.engine.transfer.TransferModel`), notifies P (``done``: P frees), then runs the
@@ -54,7 +58,7 @@ __all__ = [
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 CONNECTORS = ("NixlConnector",)  # the pull flow emulated here
-DEFAULT_LEASE_TIMEOUT_S = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT default
+DEFAULT_LEASE_TIMEOUT_S = 30.0  # vLLM 0.32's kv_connector_extra_config.kv_lease_duration default
 # vLLM's KVTransferConfig fields (vllm/config/kv_transfer.py); others are refused as a typo would be
 _CONFIG_KEYS = frozenset(
     {
@@ -101,9 +105,10 @@ class KVTransferSettings:
         return self.role in ("kv_consumer", "kv_both")
 
 
-def parse_kv_transfer_config(text: str) -> tuple[str, str, str | None]:
-    """vLLM's ``--kv-transfer-config`` JSON → ``(connector, role, engine_id)``; ValueError with a
-    one-line reason for anything else."""
+def parse_kv_transfer_config(text: str) -> tuple[str, str, str | None, float | None]:
+    """vLLM's ``--kv-transfer-config`` JSON → ``(connector, role, engine_id, lease seconds from
+    kv_connector_extra_config.kv_lease_duration or None)``; ValueError with a one-line reason for
+    anything else."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -124,7 +129,13 @@ def parse_kv_transfer_config(text: str) -> tuple[str, str, str | None]:
     engine_id = data.get("engine_id")
     if engine_id is not None and (not isinstance(engine_id, str) or not engine_id):
         raise ValueError("--kv-transfer-config: engine_id must be a non-empty string")
-    return connector, role, engine_id
+    extra = data.get("kv_connector_extra_config", {})
+    if not isinstance(extra, dict):
+        raise ValueError("--kv-transfer-config: kv_connector_extra_config must be an object")
+    lease = extra.get("kv_lease_duration")
+    if lease is not None and (isinstance(lease, bool) or not isinstance(lease, int | float) or lease <= 0):
+        raise ValueError("--kv-transfer-config: kv_lease_duration must be a positive number of seconds")
+    return connector, role, engine_id, None if lease is None else float(lease)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +184,9 @@ def parse_kv_transfer_params(body: Mapping[str, Any]) -> KVParams:
             )
         return v
 
-    ids = need("remote_block_ids", list, "an array of integers")
+    ids = need("remote_block_ids", list, "an array of integers (or one array per KV cache group)")
+    if ids and all(isinstance(g, list) for g in ids):  # vLLM 0.32: one list per KV cache group
+        ids = [i for g in ids for i in g]
     if any(not isinstance(i, int) or isinstance(i, bool) for i in ids):
         raise bad("'kv_transfer_params.remote_block_ids' must be an array of integers", "kv_transfer_params")
     port = need("remote_port", int, "an integer")

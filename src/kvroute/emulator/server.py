@@ -489,7 +489,7 @@ class EmulatorServer:
                 self.driver.abort(rid)
                 self.driver.release(rid)  # a P leg that finished unseen: free, as vLLM on abort
 
-    def _transfer_params(self, rid: str) -> dict[str, Any] | None:
+    def _transfer_params(self, rid: str, prompt_tokens: int) -> dict[str, Any] | None:
         """P, after its request finished: grant the lease and describe the blocks for D (vLLM's
         ``request_finished`` answer), or None when nothing is held (no full block computed...)."""
         kt, side, leases = self.kv_transfer, self.side, self.leases
@@ -502,12 +502,17 @@ class EmulatorServer:
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": list(range(n)),
+            "remote_block_ids": [list(range(n))],  # one KV cache group
             "remote_engine_id": kt.engine_id,
             "remote_request_id": rid,
             "remote_host": side.host,
             "remote_port": side.port,
             "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": prompt_tokens,
+            "remote_blocks_expiry_time": None,
+            "transfer_mode": "pull",
         }
 
     async def _generate(
@@ -528,7 +533,9 @@ class EmulatorServer:
         text = self.tokenizer.decode(self._filler_ids(0, n))
         body = full_response(req, rid, created, text, "length", usage(len(req.prompt_ids), n, cached))
         if self.kv_transfer is not None:
-            body["kv_transfer_params"] = self._transfer_params(rid) if kvp.remote_decode else None
+            body["kv_transfer_params"] = (
+                self._transfer_params(rid, len(req.prompt_ids)) if kvp.remote_decode else None
+            )
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     async def _stream(
@@ -550,7 +557,9 @@ class EmulatorServer:
                     await resp.write(_sse(chunk(req, rid, created, text, "length" if last else None)))
                 sent = n
             if kvp.remote_decode:
-                self._transfer_params(rid)  # streamed P leg: the lease runs, nobody learns its params
+                self._transfer_params(
+                    rid, len(req.prompt_ids)
+                )  # streamed P leg: the lease runs, nobody learns its params
             if req.include_usage:
                 await resp.write(
                     _sse(usage_chunk(req, rid, created, usage(len(req.prompt_ids), sent, cached)))

@@ -187,6 +187,17 @@ async def test_dead_prefill_before_handover_retries_next_prefill(fleet):
     )  # the policy's first choice was the dead one
 
 
+async def test_every_prefill_dead_falls_back_to_decode_prefill(fleet):
+    router, _ps, ds = await fleet(prefill=0, decode=1, dead_prefill=True, conditional=False)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    async with aiohttp.ClientSession() as http, http.post(url(router.port), json=body) as r:
+        assert r.status == 200
+        h, out = r.headers, await r.json()
+    assert h["x-kvroute-pd"] == "prefill_failed" and h["x-kvroute-prefill"] == ""
+    assert out["usage"]["completion_tokens"] == 2 and ds[0].model.stats().external_hit_tokens == 0
+    assert router.decisions[-1]["retries"] == 1
+
+
 async def test_dead_decode_before_first_byte_retries_next_decode(fleet):
     router, ps, ds = await fleet(decode=1, dead_decode=True)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "stream": True}

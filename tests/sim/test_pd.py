@@ -36,25 +36,25 @@ def test_one_request_timeline_by_hand():
     link = TransferModel(kv_bytes_per_token=1000.0, bandwidth_bytes_per_s=1e6)  # 1 ms per token
     s = sim(link, conditional=False)  # D's own prefill (16 ms) would beat this slow link
     out = s.run(iter([request(0, 0.0)]))
-    # P: 160 prefill tokens (16 ms); transfer 159 tokens (159 ms); D: the last token (0.1 ms)
-    ttft = 160e-4 + 0.159 + 1e-4
+    # P: 160 prefill tokens (16 ms); transfer 160 tokens (160 ms); D: the last token again (0.1 ms)
+    ttft = 160e-4 + 0.160 + 1e-4
     assert out["ttft_ms"]["mean"] == pytest.approx(ttft * 1e3)
     assert out["tpot_ms"]["mean"] == pytest.approx(10.0)  # D decodes one sequence: 10 ms a token
-    assert out["pd"]["transferred_tokens"] == 159 and out["pd"]["skipped_prefill"] == 0
+    assert out["pd"]["transferred_tokens"] == 160 and out["pd"]["skipped_prefill"] == 0
     p_eng, d_eng = s._pools["prefill"][0], s._pools["decode"][0]
     assert p_eng.stats().used_blocks == 0 and p_eng.stats().held_requests == 0  # freed after the read
-    assert d_eng.stats().external_hit_tokens == 159
+    assert d_eng.stats().external_hit_tokens == 160
     assert out["unfinished"] == 0 and out["kv_hit_rate"] == 0.0
 
 
 def test_conditional_skip_when_d_holds_most_of_the_prompt():
     link = TransferModel(10.0, 1e6, latency_s=0.005)  # 5 ms + 0.01 ms per token
     s = sim(link)
-    # first: D's 160-token prefill (16 ms) loses to the transfer (5 + 1.59 ms, + 0.1 ms last token);
+    # first: D's 160-token prefill (16 ms) loses to the transfer (5 + 1.6 ms, + 0.1 ms last token);
     # the second shares the prompt and D cached it when it read it: its remainder (16 tokens, 1.6 ms)
-    # beats moving 15 tokens (5.15 ms + 0.1 ms) → P skipped
+    # beats moving 16 tokens (5.16 ms + 0.1 ms) → P skipped
     out = s.run(iter([request(0, 0.0), request(1, 1.0)]))
-    assert out["pd"]["skipped_prefill"] == 1 and out["pd"]["transferred_tokens"] == 159
+    assert out["pd"]["skipped_prefill"] == 1 and out["pd"]["transferred_tokens"] == 160
     ttft_second = 16 * 1e-4  # D prefills the 16 uncached tokens in one step
     assert out["ttft_ms"]["p50"] >= 0 and min_ttft(s) == pytest.approx(ttft_second * 1e3)
 
@@ -67,7 +67,7 @@ def test_no_skip_without_conditional():
     link = TransferModel(10.0, 1e6, latency_s=0.005)
     out = sim(link, conditional=False).run(iter([request(0, 0.0), request(1, 1.0)]))
     assert out["pd"]["skipped_prefill"] == 0
-    assert out["pd"]["transferred_tokens"] == 159 + 15  # D holds 9 blocks of the second: it reads 15
+    assert out["pd"]["transferred_tokens"] == 160 + 16  # D holds 9 blocks of the second: it reads 16
 
 
 def test_pd_router_picks_d_by_load_and_p_by_cache():

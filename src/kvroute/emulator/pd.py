@@ -7,7 +7,8 @@ vLLM's flow (``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`` and 
   answers with a top-level ``kv_transfer_params`` = ``{do_remote_prefill: true, do_remote_decode:
   false, remote_block_ids (one list per KV cache group), remote_engine_id, remote_request_id,
   remote_host, remote_port, tp_size, dcp_size, pp_size, remote_num_tokens, remote_blocks_expiry_time,
-  transfer_mode: "pull"}`` (vLLM 0.32's ``nixl/pull_scheduler.py`` ``request_finished``).
+  transfer_mode: "pull", remote_prefill_cached_tokens}`` (vLLM 0.32's ``nixl/pull_scheduler.py``
+  ``request_finished``, checked against vLLM 0.32's CPU build with NIXL).
   Its blocks stay referenced under a lease (:class:`Leases`) until D reads them and notifies, or until
   ``lease_timeout_s`` passes (vLLM 0.32: ``kv_connector_extra_config.kv_lease_duration``, 30 s, which
   D's heartbeats renew; older vLLM: ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s). Heartbeats are not
@@ -16,7 +17,9 @@ vLLM's flow (``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`` and 
 - **D** (``kv_transfer_params.do_remote_prefill`` with P's fields): asks P over the side channel
   whether the blocks are still there (``read``), waits the modelled transfer time of the tokens it
   lacks (:class:`kvroute.engine.transfer.TransferModel`), notifies P (``done``: P frees), then runs the
-  request with ``remote_prefill`` (it computes only the last prompt token). If P no longer has the
+  request with ``remote_prefill``: the tokens it lacked count as external
+  (``prompt_tokens_by_source{source="external_kv_transfer"}``), only its local hit as
+  ``cached_tokens`` (as vLLM 0.32's D reports), and it computes the last prompt token again. If P no longer has the
   blocks (lease expired, P restarted) D recomputes the prompt itself (vLLM's ``kv_load_failure_policy``
   ``recompute``). A D request aborted while it waits still notifies P.
 

@@ -448,7 +448,7 @@ class EmulatorServer:
         notified = False
         try:
             hashes = self._engine_request(rid, req).block_hashes
-            lacking = len(req.prompt_ids) - 1 - self.model.local_hit_tokens(hashes, len(req.prompt_ids))
+            lacking = len(req.prompt_ids) - self.model.local_hit_tokens(hashes, len(req.prompt_ids))
             await asyncio.sleep(self.transfer.seconds(lacking) / self.settings.time_scale)
             notified = True
             await ask(ctx, remote.host, remote.port, "done", remote_rid)
@@ -489,7 +489,7 @@ class EmulatorServer:
                 self.driver.abort(rid)
                 self.driver.release(rid)  # a P leg that finished unseen: free, as vLLM on abort
 
-    def _transfer_params(self, rid: str, prompt_tokens: int) -> dict[str, Any] | None:
+    def _transfer_params(self, rid: str, prompt_tokens: int, cached: int) -> dict[str, Any] | None:
         """P, after its request finished: grant the lease and describe the blocks for D (vLLM's
         ``request_finished`` answer), or None when nothing is held (no full block computed...)."""
         kt, side, leases = self.kv_transfer, self.side, self.leases
@@ -513,6 +513,7 @@ class EmulatorServer:
             "remote_num_tokens": prompt_tokens,
             "remote_blocks_expiry_time": None,
             "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": cached,
         }
 
     async def _generate(
@@ -534,7 +535,7 @@ class EmulatorServer:
         body = full_response(req, rid, created, text, "length", usage(len(req.prompt_ids), n, cached))
         if self.kv_transfer is not None:
             body["kv_transfer_params"] = (
-                self._transfer_params(rid, len(req.prompt_ids)) if kvp.remote_decode else None
+                self._transfer_params(rid, len(req.prompt_ids), cached) if kvp.remote_decode else None
             )
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
@@ -556,10 +557,8 @@ class EmulatorServer:
                     last = i == req.max_tokens - 1  # exactly max_tokens are generated
                     await resp.write(_sse(chunk(req, rid, created, text, "length" if last else None)))
                 sent = n
-            if kvp.remote_decode:
-                self._transfer_params(
-                    rid, len(req.prompt_ids)
-                )  # streamed P leg: the lease runs, nobody learns its params
+            if kvp.remote_decode:  # a streamed P leg: the lease runs, nobody learns its params
+                self._transfer_params(rid, len(req.prompt_ids), cached)
             if req.include_usage:
                 await resp.write(
                     _sse(usage_chunk(req, rid, created, usage(len(req.prompt_ids), sent, cached)))

@@ -31,8 +31,9 @@ per-request state and runs the per-request code; the decoders join again after t
 KV events and stats are the same as without the cohort (tested against ``report_tokens=True``).
 
 Prefill/decode disaggregation (see ``EngineRequest``): a ``remote_prefill`` request counts the prompt
-tokens it lacks (all but the last) as computed at its first admission, as external tokens read from
-the prefill instance, and caches them like computed ones; a ``hold_blocks`` request keeps its blocks
+tokens it lacks as external tokens read from the prefill instance at its first admission (all but the
+last count as computed; the last is computed again for its logits, as vLLM does), reports only its
+local hit as cached, and caches the read blocks like computed ones; a ``hold_blocks`` request keeps its blocks
 referenced after it finishes until ``release`` (its transfer lease).
 """
 
@@ -565,11 +566,13 @@ class EngineModel:
         while waiting and budget > 0 and len(running) < max_num_seqs:
             seq = waiting[0]
             hit, hit_evictable = kv.lookup(seq, seq.known)
-            computed = hit * bs
+            local = computed = hit * bs
             external = 0
             if seq.external < 0 and seq.req.remote_prefill:  # first admission: read what it lacks
-                external = max(seq.known - 1 - computed, 0)
-                computed += external
+                # all of it comes from the remote instance (vLLM counts it as external), and the last
+                # prompt token is computed again here for its logits
+                external = seq.known - computed
+                computed = seq.known - 1
             n = min(seq.known - computed, budget)
             if not kv.admit(seq, hit, hit_evictable, computed + n, seq.out == 0):
                 break
@@ -581,7 +584,7 @@ class EngineModel:
                     self._ext_hit += external
             self._queued_prefill -= _pending(seq)
             seq.computed = computed
-            seq.cached_tokens = computed
+            seq.cached_tokens = local  # vLLM reports the local hit (the remote part is external)
             self._queued_prefill += _pending(seq)
             seq.stepping = True
             self._adm += 1

@@ -80,10 +80,10 @@ def prefill_locally(
     uncached_tokens: int, cached_tokens: int, cost: CostModel, transfer: TransferModel, chunk: int
 ) -> tuple[bool, float, float]:
     """Whether D should prefill the request itself: ``(skip P, D's prefill seconds, transfer seconds)``.
-    D's prefill is of its ``uncached_tokens`` after its ``cached_tokens``; the transfer would move the
-    same tokens (all but the last, which D computes in both cases; at least one token)."""
+    D's prefill is of its ``uncached_tokens`` after its ``cached_tokens``; the transfer moves the same
+    tokens, after which D still computes the last prompt token again (vLLM's NIXL consumer), so that
+    step is added to the transfer's side."""
     local = prefill_seconds(cost, uncached_tokens, cached_tokens, chunk)
-    moved = transfer.seconds(max(uncached_tokens - 1, 0))
-    # with a transfer D still computes the last token itself; compare like with like
+    moved = transfer.seconds(uncached_tokens)
     last = prefill_seconds(cost, 1, cached_tokens + max(uncached_tokens - 1, 0), chunk)
     return local <= moved + last, local, moved + last

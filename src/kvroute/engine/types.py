@@ -42,8 +42,8 @@ class EngineRequest:
       (``len == prompt_len // block_size``); equal hashes mean equal prefixes.
     - ``token_ids``: the prompt's token ids when known, carried into ``BlockStored`` events.
     - ``remote_prefill`` (a P/D decode instance): the prompt tokens the engine does not hold are read
-      from the prefill instance, not computed: at first admission all but the last prompt token count as
-      computed (external), and the engine computes the last one itself (vLLM's NIXL consumer). The
+      from the prefill instance, not computed: at first admission they count as external, all but the
+      last as computed, and the engine computes the last one again itself (vLLM's NIXL consumer). The
       driver models the transfer's duration before it adds the request.
     - ``hold_blocks`` (a P/D prefill instance): when the request finishes, its blocks stay referenced
       until ``EngineModel.release`` (the decode instance read them, or the lease expired).
@@ -70,9 +70,10 @@ class OutputKind(Enum):
 class EngineOutput:
     """Something that happened to a request at ``time`` (end of the step that produced it).
 
-    ``num_cached_tokens`` is the prompt's prefix-cache hit at its (last) admission, in tokens, with the
-    tokens read from a remote prefill instance (as vLLM counts them); ``num_external_tokens`` is that
-    remote part; ``num_output_tokens`` counts output tokens produced so far.
+    ``num_cached_tokens`` is the prompt's local prefix-cache hit at its (last) admission, in tokens;
+    ``num_external_tokens`` the prompt tokens read from a remote prefill instance instead (vLLM 0.32
+    reports only the local part as ``cached_tokens``); ``num_output_tokens`` counts output tokens
+    produced so far.
     """
 
     kind: OutputKind

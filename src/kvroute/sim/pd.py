@@ -7,9 +7,9 @@ Per request, at its arrival:
   prompt itself, as a colocated engine would) or picks P by the policy over the P pool;
 - **P leg**: P runs the prompt with one output token and keeps its blocks (``hold_blocks``);
 - **transfer**: when P's token is out, the D leg starts ``TransferModel.seconds(tokens D lacks)`` later
-  (all prompt tokens but the last, less what D's cache holds then), and P's blocks are released then
+  (the prompt less what D's cache holds then), and P's blocks are released then
   (D read them and notified);
-- **D leg**: D runs the request with ``remote_prefill`` (computes only the last prompt token) and all its
+- **D leg**: D runs the request with ``remote_prefill`` (computes only the last prompt token again) and all its
   output tokens. The TTFT is D's first token (vLLM's proxy relays D's stream); the cached tokens reported
   are P's (vLLM's proxy reports P's ``cached_tokens``), D's own when P was skipped.
 
@@ -259,7 +259,7 @@ class PDClusterSim:
         """P's token is out: D reads the tokens it lacks, then starts; P frees when the read is done."""
         d_eng = self._pools["decode"][rec.decode]
         chain = rec.chain
-        lacking = max(rec.prompt_len - 1 - d_eng.local_hit_tokens(chain, rec.prompt_len), 0)
+        lacking = rec.prompt_len - d_eng.local_hit_tokens(chain, rec.prompt_len)
         took = self.config.transfer.seconds(lacking)
         self.transferred_tokens += lacking
         self.transfer_seconds += took

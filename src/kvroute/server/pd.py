@@ -35,10 +35,9 @@ import asyncio
 import contextlib
 import html
 import logging
-import os
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +57,7 @@ from kvroute.routing.kvview import KVView
 from kvroute.routing.pd import PDDecision, PDRouter
 from kvroute.server.backends import ScrapedMetrics, parse_vllm_metrics
 from kvroute.server.events import EventSubscriber
+from kvroute.server.observe import request_id
 from kvroute.server.tokenize import RequestTokenizer
 from kvroute.server.transport import (
     AiohttpTransport,
@@ -158,13 +158,6 @@ class _Inst:
 
 class _LegFailed(Exception):
     """An upstream failed before answering (connection error or a 5xx): try another instance."""
-
-
-def _request_id(request: web.Request) -> str:
-    given = request.headers.get("x-request-id")
-    if given and len(given) <= 128 and given.isascii() and given.isprintable():
-        return given
-    return os.urandom(16).hex()
 
 
 def _json_error(err: ApiError, headers: dict[str, str]) -> web.Response:
@@ -390,7 +383,7 @@ class PDServer:
         return parsed, body, ids
 
     async def _handle(self, request: web.Request, chat: bool, path: str) -> web.StreamResponse:
-        rid = _request_id(request)
+        rid = request_id(request.headers)
         headers = {"x-request-id": rid}
         try:
             raw = await request.read()
@@ -677,8 +670,3 @@ def _rewrite_event(event: bytes, cached: int) -> bytes:
     if isinstance(obj, dict) and _set_cached(obj, cached):
         return b"data: " + orjson.dumps(obj)
     return event
-
-
-def parse_pd_backends(urls: Sequence[str], events: dict[str, str]) -> tuple[PDBackend, ...]:
-    """Backends from URLs and a URL → KV event endpoint map."""
-    return tuple(PDBackend(u, events.get(u)) for u in urls)

@@ -92,7 +92,7 @@ def metric(text: str, name: str, label: str = "") -> float:
     return total
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 async def vllm_pair() -> AsyncIterator[tuple[str, str]]:
     ports = [free_port(), free_port()]
     procs = [start_vllm(p, free_port()) for p in ports]

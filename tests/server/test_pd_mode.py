@@ -321,3 +321,9 @@ def test_config_role_must_be_known(tmp_path):
     conf.write_text("backends:\n  - {url: 'http://127.0.0.1:9101', role: prefil}\n")
     with pytest.raises(UserError, match="role must be prefill or decode"):
         load_config_file(conf)
+
+
+def test_pd_flags_without_pd_mode_are_refused():
+    from kvroute.cli import main
+
+    assert main(["serve", "--backend", "http://127.0.0.1:9", "--kv-transfer-bandwidth", "5"]) == 2

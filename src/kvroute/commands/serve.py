@@ -302,6 +302,9 @@ def run(args: argparse.Namespace) -> int:
 
     if wants_pd(args, load_config_file(args.config).backends if args.config else ()):
         return run_pd(args)
+    for flag in ("profile", "kv_transfer_bandwidth", "no_conditional"):
+        if getattr(args, flag, None):
+            raise UserError(f"--{flag.replace('_', '-')} goes with --prefill/--decode (P/D mode)")
     cfg = config_from_args(args)
     # SIGHUP: the same merge as here (the file, then the flags over it); picklable for the workers
     reloader = Reloader(args.config, functools.partial(config_from_args, args))

@@ -52,21 +52,21 @@ from kvroute.chat_template import ChatTemplateError
 from kvroute.engine.transfer import TransferModel
 from kvroute.engine.types import CostModel
 from kvroute.policies.registry import make_policy
+from kvroute.prepare.events import EventSubscriber
+from kvroute.prepare.tokenize import RequestTokenizer
 from kvroute.routing.core import Decision, RouteRequest, RoutingCore
 from kvroute.routing.kvview import KVView
 from kvroute.routing.pd import PDDecision, PDRouter
-from kvroute.server.backends import ScrapedMetrics, parse_vllm_metrics
-from kvroute.server.events import EventSubscriber
-from kvroute.server.observe import request_id
-from kvroute.server.tokenize import RequestTokenizer
-from kvroute.server.transport import (
+from kvroute.server.observe.observer import request_id
+from kvroute.server.state.backends import ScrapedMetrics, parse_vllm_metrics
+from kvroute.server.wire.transport import (
     AiohttpTransport,
     Transport,
     UpstreamBrokenError,
     UpstreamConnectError,
     UpstreamResponse,
 )
-from kvroute.server.validate import ApiError, ParsedRequest, error_body, parse_request
+from kvroute.server.wire.validate import ApiError, ParsedRequest, error_body, parse_request
 from kvroute.tokenizer import Tokenizer
 from kvroute.views import InstanceView
 

@@ -327,3 +327,14 @@ def test_pd_flags_without_pd_mode_are_refused():
     from kvroute.cli import main
 
     assert main(["serve", "--backend", "http://127.0.0.1:9", "--kv-transfer-bandwidth", "5"]) == 2
+
+
+@pytest.mark.parametrize("link", [FAST, SLOW])  # the error comes from P, or from D (P skipped)
+async def test_engine_errors_are_relayed_as_json(fleet, link):
+    router, _ps, _ds = await fleet(prefill=1, decode=1, link=link)
+    body = {"model": "no-such-model", "prompt": PROMPT, "max_tokens": 2}
+    async with aiohttp.ClientSession() as http, http.post(url(router.port), json=body) as r:
+        assert r.status == 404
+        err = (await r.json())["error"]
+    assert "no-such-model" in err["message"]
+    assert router.decisions[-1]["reason"] == ("prefill_error" if link is FAST else "local_prefill")

@@ -17,6 +17,10 @@ toy_proxy_server.py``; vllm-project/router ``src/routers/http/vllm_pd_router.rs`
 3. A client that disconnects aborts the leg in progress (its upstream connection is dropped, which
    makes a vLLM engine abort the request; D still notifies P). Between the legs, P's lease expires.
 
+Modules: this one is the app and one request's trip (decide both, the P leg, the D leg);
+:mod:`kvroute.server.state.pdpools` keeps each instance's bookkeeping, :mod:`kvroute.server.wire.pdrelay`
+relays D's answer with P's cached tokens, :mod:`kvroute.routing.pd` decides.
+
 Load views are the router's own bookkeeping (requests routed and not answered per instance: BS; the
 new prefill tokens of those not started: queued prefill) plus the KV usage scraped from each engine's
 ``/metrics``. KV views: exact from an instance's KV events when given, else routing history.
@@ -38,7 +42,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -58,7 +62,9 @@ from kvroute.routing.core import Decision, RouteRequest, RoutingCore
 from kvroute.routing.kvview import KVView
 from kvroute.routing.pd import PDDecision, PDRouter
 from kvroute.server.observe.observer import request_id
-from kvroute.server.state.backends import ScrapedMetrics, parse_vllm_metrics
+from kvroute.server.state.backends import parse_vllm_metrics
+from kvroute.server.state.pdpools import PDBackend, PDInstance
+from kvroute.server.wire.pdrelay import LegFailed, relay_stream, relay_whole
 from kvroute.server.wire.transport import (
     AiohttpTransport,
     Transport,
@@ -68,9 +74,8 @@ from kvroute.server.wire.transport import (
 )
 from kvroute.server.wire.validate import ApiError, ParsedRequest, error_body, parse_request
 from kvroute.tokenizer import Tokenizer
-from kvroute.views import InstanceView
 
-__all__ = ["PDBackend", "PDConfig", "PDServer"]
+__all__ = ["PDBackend", "PDConfig", "PDServer"]  # PDBackend lives in state/pdpools, re-exported here
 
 log = logging.getLogger("kvroute.server.pd")
 
@@ -82,15 +87,6 @@ P_PARAMS = {
     "remote_host": None,
     "remote_port": None,
 }
-
-
-@dataclass(frozen=True, slots=True)
-class PDBackend:
-    """One engine of a pool: ``url`` (no trailing slash); ``kv_events``: its ZMQ KV event endpoint
-    (None: the approximate view from routing history)."""
-
-    url: str
-    kv_events: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,62 +116,10 @@ class PDConfig:
             raise ValueError("block size and scrape interval must be positive, max retries >= 0")
 
 
-@dataclass(slots=True)
-class _Inst:
-    """The router's bookkeeping of one instance: requests in flight → new prefill tokens (0 once
-    started), the last scrape."""
-
-    index: int
-    backend: PDBackend
-    inflight: dict[str, int] = field(default_factory=dict)
-    started: set[str] = field(default_factory=set)
-    scraped: ScrapedMetrics | None = None
-
-    def view(self) -> InstanceView:
-        waiting = len(self.inflight) - len(self.started)
-        queued = sum(n for r, n in self.inflight.items() if r not in self.started)
-        s = self.scraped
-        return InstanceView(
-            index=self.index,
-            running=len(self.started),
-            waiting=waiting,
-            queued_prefill_tokens=queued,
-            kv_usage=s.kv_usage if s is not None else 0.0,
-            kv_capacity_blocks=s.num_kv_blocks if s is not None else 0,
-        )
-
-    def add(self, rid: str, new_tokens: int) -> None:
-        self.inflight[rid] = new_tokens
-
-    def start(self, rid: str) -> None:
-        if rid in self.inflight:
-            self.started.add(rid)
-
-    def done(self, rid: str) -> None:
-        self.inflight.pop(rid, None)
-        self.started.discard(rid)
-
-
-class _LegFailed(Exception):
-    """An upstream failed before answering (connection error or a 5xx): try another instance."""
-
-
 def _json_error(err: ApiError, headers: dict[str, str]) -> web.Response:
     return web.Response(
         status=err.status, body=error_body(err), content_type="application/json", headers=headers
     )
-
-
-def _set_cached(obj: dict[str, Any], cached: int) -> bool:
-    """Replace ``usage.prompt_tokens_details.cached_tokens`` in a response object; True if changed."""
-    use = obj.get("usage")
-    if not isinstance(use, dict):
-        return False
-    details = use.get("prompt_tokens_details")
-    if not isinstance(details, dict):
-        details = use["prompt_tokens_details"] = {}
-    details["cached_tokens"] = cached
-    return True
 
 
 class PDServer:
@@ -199,8 +143,8 @@ class PDServer:
         self.clock = clock
         self.transport = transport or AiohttpTransport(connect_timeout_s=config.connect_timeout_s)
         self.pools = {
-            "prefill": [_Inst(i, b) for i, b in enumerate(config.prefill)],
-            "decode": [_Inst(i, b) for i, b in enumerate(config.decode)],
+            "prefill": [PDInstance(i, b) for i, b in enumerate(config.prefill)],
+            "decode": [PDInstance(i, b) for i, b in enumerate(config.decode)],
         }
         cores = {}
         for pool, insts in self.pools.items():
@@ -515,9 +459,9 @@ class PDServer:
                     else:  # a 5xx, a broken body, or the client gone: drop the connection (P aborts)
                         resp.abort()
                 if resp.status >= 500:
-                    raise _LegFailed(f"HTTP {resp.status}")
+                    raise LegFailed(f"HTTP {resp.status}")
             except (
-                _LegFailed,
+                LegFailed,
                 UpstreamConnectError,
                 UpstreamBrokenError,
                 aiohttp.ClientError,
@@ -589,16 +533,16 @@ class PDServer:
                 try:
                     resp = await self._send(url, path, raw, rid)
                 except (UpstreamConnectError, aiohttp.ClientError, OSError) as exc:
-                    raise _LegFailed(str(exc)) from None
+                    raise LegFailed(str(exc)) from None
                 if resp.status >= 500:
                     resp.abort()
-                    raise _LegFailed(f"HTTP {resp.status}")
+                    raise LegFailed(f"HTTP {resp.status}")
                 inst.start(rid)
                 headers["x-kvroute-retries"] = str(record["retries"])
                 if resp.status != 200 or not stream:
-                    return await self._relay_whole(resp, p_cached, headers)
-                return await self._relay_stream(request, resp, p_cached, headers)
-            except _LegFailed as exc:
+                    return await relay_whole(resp, p_cached, headers)
+                return await relay_stream(request, resp, p_cached, headers)
+            except LegFailed as exc:
                 log.warning("decode %s failed for %s: %s", url, rid, exc)
                 record["retries"] += 1
                 self._retries.labels("decode").inc()
@@ -609,64 +553,3 @@ class PDServer:
                     resp.abort()  # idempotent after release; drops the connection when cut short
         record["reason"] = "decode_failed"
         return _json_error(ApiError(502, "no decode instance answered"), headers)
-
-    async def _relay_whole(
-        self, resp: UpstreamResponse, p_cached: int | None, headers: dict[str, str]
-    ) -> web.Response:
-        try:
-            data = await resp.read()
-        except UpstreamBrokenError as exc:
-            raise _LegFailed(str(exc)) from None  # nothing sent to the client yet: another D
-        resp.release()
-        if resp.status == 200 and p_cached is not None:
-            with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
-                obj = orjson.loads(data)
-                if isinstance(obj, dict) and _set_cached(obj, p_cached):
-                    data = orjson.dumps(obj)
-        return web.Response(
-            status=resp.status,
-            body=data,
-            content_type=resp.content_type or "application/json",
-            headers=headers,
-        )
-
-    async def _relay_stream(
-        self, request: web.Request, resp: UpstreamResponse, p_cached: int | None, headers: dict[str, str]
-    ) -> web.StreamResponse:
-        out = web.StreamResponse(
-            status=200, headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await out.prepare(request)
-        buf = b""
-        try:
-            async for chunk in resp.iter_chunks():
-                if p_cached is None:
-                    await out.write(chunk)
-                    continue
-                buf += chunk
-                *events, buf = buf.split(b"\n\n")
-                if events:
-                    await out.write(b"".join(_rewrite_event(e, p_cached) + b"\n\n" for e in events))
-        except UpstreamBrokenError as exc:  # after the first byte: nothing to retry, end the stream
-            log.warning("decode stream broke off: %s", exc)
-            resp.abort()
-            return out
-        if buf:
-            await out.write(buf)
-        resp.release()
-        with contextlib.suppress(ConnectionError):
-            await out.write_eof()
-        return out
-
-
-def _rewrite_event(event: bytes, cached: int) -> bytes:
-    """An SSE event with P's cached tokens in its usage (unchanged when it carries no usage)."""
-    if not event.startswith(b"data: {") or b'"usage"' not in event:
-        return event
-    try:
-        obj = orjson.loads(event[6:])
-    except orjson.JSONDecodeError:
-        return event
-    if isinstance(obj, dict) and _set_cached(obj, cached):
-        return b"data: " + orjson.dumps(obj)
-    return event

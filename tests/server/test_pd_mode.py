@@ -338,3 +338,18 @@ async def test_engine_errors_are_relayed_as_json(fleet, link):
         err = (await r.json())["error"]
     assert "no-such-model" in err["message"]
     assert router.decisions[-1]["reason"] == ("prefill_error" if link is FAST else "local_prefill")
+
+
+async def test_repeated_client_request_ids_keep_the_bookkeeping_straight(fleet):
+    router, _ps, _ds = await fleet(prefill=1, decode=1)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 20, "stream": True}
+    async with aiohttp.ClientSession() as http:
+
+        async def one() -> int:
+            async with http.post(url(router.port), json=body, headers={"x-request-id": "same"}) as r:
+                await r.read()
+                return r.status
+
+        assert await asyncio.gather(one(), one(), one()) == [200, 200, 200]
+    assert all(not i.inflight and not i.started for pool in router.pools.values() for i in pool)
+    assert len({d["key"] for d in router.decisions}) == 3

@@ -168,6 +168,7 @@ class PDServer:
         )
         self._retries = Counter("kvroute_pd_retries", "P/D leg retries", ["leg"], registry=self.registry)
         self._tasks: list[asyncio.Task[Any]] = []
+        self._seq = 0
         self._zmq: zmq.asyncio.Context | None = None
         self._runner: web.AppRunner | None = None
         self._http: aiohttp.ClientSession | None = None
@@ -340,7 +341,9 @@ class PDServer:
         d_views = [i.view() for i in self.pools["decode"]]
         p_views = [i.view() for i in self.pools["prefill"]]
         dec = self.router.route(rr, p_views, d_views, now)
+        self._seq += 1
         record: dict[str, Any] = {
+            "key": f"{rid}#{self._seq}",  # the bookkeeping's key: client ids may repeat
             "request_id": rid,
             "time": time.time(),
             "policy": self.config.policy,
@@ -445,7 +448,8 @@ class PDServer:
                 return None
             tried.add(idx)
             inst = self.pools["prefill"][idx]
-            inst.add(rid, decision.new_prefill(idx) if idx == decision.instance else rr.prompt_tokens)
+            key = record["key"]
+            inst.add(key, decision.new_prefill(idx) if idx == decision.instance else rr.prompt_tokens)
             self.cores["prefill"].kv.on_routed(idx, rr.chain, self.clock())
             try:
                 resp = await self._send(inst.backend.url, path, raw, rid)
@@ -472,7 +476,7 @@ class PDServer:
                 self._retries.labels("prefill").inc()
                 continue
             finally:
-                inst.done(rid)
+                inst.done(key)
             if resp.status != 200:
                 return (
                     inst.backend.url,
@@ -524,7 +528,8 @@ class PDServer:
             tried.add(idx)
             inst = self.pools["decode"][idx]
             url = inst.backend.url
-            inst.add(rid, new_tokens)
+            key = record["key"]
+            inst.add(key, new_tokens)
             self.cores["decode"].kv.on_routed(idx, rr.chain, self.clock())
             record["decode"] = url
             headers.update({"x-kvroute-decode": url, "x-kvroute-backend": url})
@@ -537,7 +542,7 @@ class PDServer:
                 if resp.status >= 500:
                     resp.abort()
                     raise LegFailed(f"HTTP {resp.status}")
-                inst.start(rid)
+                inst.start(key)
                 headers["x-kvroute-retries"] = str(record["retries"])
                 if resp.status != 200 or not stream:
                     return await relay_whole(resp, p_cached, headers)
@@ -548,7 +553,7 @@ class PDServer:
                 self._retries.labels("decode").inc()
                 continue
             finally:
-                inst.done(rid)
+                inst.done(key)
                 if resp is not None:
                     resp.abort()  # idempotent after release; drops the connection when cut short
         record["reason"] = "decode_failed"

@@ -109,6 +109,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --preset: seeds at the default load, comma-separated (default 0,1,2)",
     )
     p.add_argument("--no-progress", action="store_true", help="no per-run progress lines on stderr")
+    pd = p.add_argument_group("prefill/decode disaggregation")
+    pd.add_argument(
+        "--pd",
+        metavar="P:D[,P:D...]",
+        default=None,
+        help="compare colocated fleets against P prefill + D decode instances (equal counts), e.g. 1:3,2:2",
+    )
+    pd.add_argument(
+        "--pd-bandwidth", type=float, default=25.0, help="with --pd: the P-to-D link in GB/s (default 25)"
+    )
+    pd.add_argument(
+        "--pd-no-conditional", action="store_true", help="with --pd: never skip P (always disaggregate)"
+    )
+    pd.add_argument("--pd-no-capacity", action="store_true", help="with --pd: no capacity search")
 
 
 # ------------------------------------------------------------------------------------------------ input
@@ -305,9 +319,25 @@ def _on_done(show: bool, total: int | None = None) -> Callable[[Any, Summary], N
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.pd is not None:
+        if args.preset is not None:
+            raise UserError("--pd and --preset do not go together")
+        return _run_pd(args)
     if args.preset is not None:
         return run_paper_preset(args)
     return run_compare(args)
+
+
+def _run_pd(args: argparse.Namespace) -> int:
+    from kvroute.commands.pdcompare import run_pd_compare, write
+
+    with _runner(args, _on_done(not args.no_progress)) as runner:
+        table, results = run_pd_compare(args, runner)
+    out_dir = Path(args.out or "compare-out")
+    write(out_dir, table, results)
+    print(table)
+    print(f"\nwrote {out_dir}/pd.md, pd.json")
+    return 0
 
 
 def _runner(args: argparse.Namespace, on_done: Any) -> Any:

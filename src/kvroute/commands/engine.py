@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 from dataclasses import replace
@@ -14,6 +15,7 @@ from kvroute.commands import port_number
 from kvroute.errors import UserError
 
 if TYPE_CHECKING:
+    from kvroute.emulator.pd import KVTransferSettings
     from kvroute.emulator.server import EmulatorSettings
     from kvroute.engine.cost import Profile
     from kvroute.tokenizer import Tokenizer
@@ -138,6 +140,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="connect the PUB socket to the endpoint instead of binding it",
     )
+    pd = p.add_argument_group("prefill/decode disaggregation (vLLM's NIXL connector, emulated)")
+    pd.add_argument(
+        "--kv-transfer-config",
+        metavar="JSON",
+        default=None,
+        help='vLLM\'s flag, e.g. \'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\' '
+        "(kv_role kv_producer, kv_consumer or kv_both)",
+    )
+    pd.add_argument(
+        "--kv-side-channel-port",
+        type=int,
+        default=None,
+        help="P's side-channel port (default: $VLLM_NIXL_SIDE_CHANNEL_PORT, else any free port)",
+    )
+    pd.add_argument(
+        "--kv-side-channel-host",
+        default=None,
+        help="P's side-channel address (default: $VLLM_NIXL_SIDE_CHANNEL_HOST, else --host)",
+    )
+    pd.add_argument(
+        "--kv-lease-timeout",
+        type=float,
+        default=None,
+        help="seconds P keeps unread blocks (default: the config's kv_connector_extra_config."
+        "kv_lease_duration, else $VLLM_NIXL_ABORT_REQUEST_TIMEOUT (older vLLM), else 30 as vLLM 0.32)",
+    )
+    pd.add_argument(
+        "--kv-transfer-bandwidth",
+        type=float,
+        default=None,
+        help="P-to-D link bandwidth in GB/s for the modelled transfer time (default 25: one 200 Gb/s NIC)",
+    )
+    pd.add_argument(
+        "--kv-transfer-latency",
+        type=float,
+        default=0.0,
+        help="fixed seconds per KV transfer (default 0)",
+    )
 
 
 def _positive(name: str, value: float | int | None) -> None:
@@ -230,8 +270,66 @@ def build(args: argparse.Namespace) -> tuple[EmulatorSettings, Profile, Tokenize
         kv,
         lora_modules=adapters,
         flavor=args.flavor,
+        kv_transfer=_kv_transfer(args),
+        kv_bytes_per_token=profile.model.kv_bytes_per_token_per_rank(args.tp),
     )
     return settings, profile, load_tokenizer(args.tokenizer, chat_template=args.chat_template)
+
+
+def _env_number(name: str, kind: type[int] | type[float]) -> int | float | None:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        return kind(raw)
+    except ValueError:
+        raise UserError(f"${name} must be a number, got {raw!r}") from None
+
+
+def _kv_transfer(args: argparse.Namespace) -> KVTransferSettings | None:
+    """The P/D role from ``--kv-transfer-config`` and its companions (UserError on bad values)."""
+    from kvroute.emulator.pd import DEFAULT_LEASE_TIMEOUT_S, KVTransferSettings, parse_kv_transfer_config
+    from kvroute.engine.transfer import DEFAULT_BANDWIDTH_GBPS
+
+    extras = ("kv_side_channel_port", "kv_side_channel_host", "kv_lease_timeout", "kv_transfer_bandwidth")
+    if args.kv_transfer_config is None:
+        given = [n for n in extras if getattr(args, n) is not None]
+        if given:
+            raise UserError(f"--{given[0].replace('_', '-')} goes with --kv-transfer-config")
+        return None
+    try:
+        connector, role, engine_id, config_lease = parse_kv_transfer_config(args.kv_transfer_config)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    port = args.kv_side_channel_port
+    if port is None:
+        port = _env_number("VLLM_NIXL_SIDE_CHANNEL_PORT", int) or 0
+    if not 0 <= int(port) < 65536:
+        raise UserError(f"--kv-side-channel-port {port} is not a port number")
+    host = args.kv_side_channel_host or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or args.host
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"  # D must connect somewhere: the loopback of an engine listening everywhere
+    lease = args.kv_lease_timeout if args.kv_lease_timeout is not None else config_lease
+    if lease is None:
+        lease = _env_number("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", float) or DEFAULT_LEASE_TIMEOUT_S
+    bandwidth = (
+        args.kv_transfer_bandwidth if args.kv_transfer_bandwidth is not None else DEFAULT_BANDWIDTH_GBPS
+    )
+    _positive("--kv-lease-timeout", lease)
+    _positive("--kv-transfer-bandwidth", bandwidth)
+    if not args.kv_transfer_latency >= 0:
+        raise UserError("--kv-transfer-latency must be >= 0")
+    kw = {"engine_id": engine_id} if engine_id else {}
+    return KVTransferSettings(
+        connector,
+        role,
+        side_host=host,
+        side_port=int(port),
+        lease_timeout_s=float(lease),
+        bandwidth_gbps=bandwidth,
+        latency_s=args.kv_transfer_latency,
+        **kw,
+    )
 
 
 def _lora_names(items: list[str], base: str) -> tuple[str, ...]:
@@ -263,7 +361,7 @@ async def _serve(args: argparse.Namespace) -> None:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
     except zmq.ZMQError as exc:
         await server.stop()
-        raise UserError(f"cannot open KV events endpoint {args.kv_events_endpoint}: {exc}") from None
+        raise UserError(f"cannot open a ZMQ endpoint (KV events or side channel): {exc}") from None
     e = settings.engine
     print(
         f"kvroute engine: http://{args.host}:{port}/v1 model={settings.model_name} profile={profile.name} "
@@ -274,6 +372,11 @@ async def _serve(args: argparse.Namespace) -> None:
             f" kv_events={args.kv_events_endpoint} ({settings.kv_events.fmt})"
             if settings.kv_events is not None
             else ""
+        )
+        + (
+            f" kv_role={settings.kv_transfer.role} side_channel={server.side.host}:{server.side.port}"
+            if settings.kv_transfer is not None and server.side is not None
+            else (f" kv_role={settings.kv_transfer.role}" if settings.kv_transfer is not None else "")
         ),
         file=sys.stderr,
         flush=True,

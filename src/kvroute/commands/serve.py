@@ -215,7 +215,10 @@ def add_observe_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvroute.commands.pdserve import add_pd_arguments
+
     add_router_arguments(p)
+    add_pd_arguments(p)
     p.add_argument(
         "--workers",
         type=int,
@@ -300,9 +303,15 @@ def with_feature_flags(cfg: RouterConfig, args: argparse.Namespace) -> RouterCon
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvroute.commands.settings import backends_from_text
+    from kvroute.commands.pdserve import run_pd, wants_pd
+    from kvroute.commands.settings import backends_from_text, load_config_file
     from kvroute.server.run import Reloader, serve_forever
 
+    if wants_pd(args, load_config_file(args.config).backends if args.config else ()):
+        return run_pd(args)
+    for flag in ("profile", "kv_transfer_bandwidth", "no_conditional"):
+        if getattr(args, flag, None):
+            raise UserError(f"--{flag.replace('_', '-')} goes with --prefill/--decode (P/D mode)")
     cfg = config_from_args(args)
     # SIGHUP: the same merge as here (the file, then the flags over it); picklable for the workers
     reloader = Reloader(args.config, functools.partial(config_from_args, args))

@@ -510,7 +510,10 @@ def _backend_from(item: Any, where: str) -> BackendSpec:
         engine = item.get("engine")
         if engine is not None and engine not in ("vllm", "sglang"):
             raise UserError(f"{where}: a backend's engine must be vllm or sglang, not {engine!r}")
-        return BackendSpec(parse_backend_url(url), kv, rep, engine=engine, **lists)
+        role = item.get("role")
+        if role is not None and role not in ("prefill", "decode"):
+            raise UserError(f"{where}: a backend's role must be prefill or decode, not {role!r}")
+        return BackendSpec(parse_backend_url(url), kv, rep, engine=engine, role=role, **lists)
     raise UserError(f"{where}: a backend is a URL string or a mapping with 'url'")
 
 

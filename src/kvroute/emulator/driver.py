@@ -89,6 +89,14 @@ class EngineDriver:
         self._tracks.pop(req_id, None)
         return self.host.abort(req_id)
 
+    def release(self, req_id: ReqId) -> bool:
+        """Free the blocks a finished ``hold_blocks`` request kept (P/D lease over). False if none."""
+        return self.host.release(req_id)
+
+    def known(self, req_id: ReqId) -> bool:
+        """Whether ``req_id`` is in use: submitted and not ended, or holding blocks."""
+        return req_id in self._tracks or self.model.held(req_id) > 0
+
     @property
     def active(self) -> int:
         """Requests submitted and not yet finished or aborted."""

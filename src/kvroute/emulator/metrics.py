@@ -127,9 +127,10 @@ class _SglangStatsCollector(Collector):
 
 
 class _StatsCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str, external: bool = False) -> None:
         self._stats = stats
         self._model = model_name
+        self._external = external
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -165,6 +166,30 @@ class _StatsCollector(Collector):
         yield counter(
             "vllm:num_preemptions", "Cumulative number of preemptions from the engine.", s.preemptions
         )
+        # prompt tokens by where their KV came from (vLLM's PromptTokenStats; external: a KV connector)
+        by_source = CounterMetricFamily(
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            labels=["model_name", "source"],
+        )
+        local = s.prefix_query_tokens - s.prefix_hit_tokens - s.external_hit_tokens
+        by_source.add_metric([self._model, "local_compute"], local)
+        by_source.add_metric([self._model, "local_cache_hit"], s.prefix_hit_tokens)
+        by_source.add_metric([self._model, "external_kv_transfer"], s.external_hit_tokens)
+        yield by_source
+        if self._external:  # vLLM registers these only with a KV connector
+            yield counter(
+                "vllm:external_prefix_cache_queries",
+                "External prefix cache queries from KV connector cross-instance cache sharing, "
+                "in terms of number of queried tokens.",
+                s.external_query_tokens,
+            )
+            yield counter(
+                "vllm:external_prefix_cache_hits",
+                "External prefix cache hits from KV connector cross-instance cache sharing, "
+                "in terms of number of cached tokens.",
+                s.external_hit_tokens,
+            )
 
 
 class EngineMetrics:
@@ -178,6 +203,7 @@ class EngineMetrics:
         stats: Callable[[], EngineStats],
         flavor: str = "vllm",
         block_size: int = 16,
+        external: bool = False,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._model = model_name
@@ -185,7 +211,7 @@ class EngineMetrics:
         if flavor == "sglang":
             r.register(_SglangStatsCollector(stats, model_name, block_size))
         else:
-            r.register(_StatsCollector(stats, model_name))
+            r.register(_StatsCollector(stats, model_name, external))
         prefix = "sglang" if flavor == "sglang" else "vllm"
 
         def hist(name: str, doc: str, buckets: Sequence[float]) -> Any:

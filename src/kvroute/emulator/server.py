@@ -23,6 +23,10 @@ would also stop at EOS, the filler text has none), one per modelled decode step;
 fixed cycle of common English words, decoded by the tokenizer. ``finish_reason`` is ``"length"``.
 ``usage.prompt_tokens_details.cached_tokens`` is the model's prefix-cache hit at admission.
 
+Prefill/decode roles (``kv_transfer``, vLLM's ``--kv-transfer-config`` with the NIXL connector): see
+:mod:`kvroute.emulator.pd`. A request's internal id is ``cmpl-<X-Request-Id>`` (``chatcmpl-`` for chat)
+when the client sent one not in use, as vLLM names its requests, so both legs of a P/D request share it.
+
 A client that disconnects aborts its request: the handler is cancelled (``handler_cancellation``)
 or its write fails, and the request's blocks are freed at once.
 """
@@ -44,6 +48,14 @@ import kvroute
 from kvroute.blocks import extra_key, hash_blocks
 from kvroute.emulator.driver import EngineDriver
 from kvroute.emulator.metrics import CONTENT_TYPE, EngineMetrics
+from kvroute.emulator.pd import (
+    KVParams,
+    KVTransferSettings,
+    Leases,
+    SideChannel,
+    ask,
+    parse_kv_transfer_params,
+)
 from kvroute.emulator.protocol import (
     ApiError,
     GenerateRequest,
@@ -59,6 +71,7 @@ from kvroute.emulator.protocol import (
 )
 from kvroute.emulator.publisher import KVEventPublisher
 from kvroute.engine.model import EngineModel
+from kvroute.engine.transfer import TransferModel
 from kvroute.engine.types import (
     BlockRemoved,
     BlockStored,
@@ -103,6 +116,8 @@ class EmulatorSettings:
     - ``engine.max_model_len``: longest prompt + output, in tokens.
     - ``lora_modules``: names of the LoRA adapters served besides ``model_name``.
     - ``flavor``: ``"vllm"`` or ``"sglang"`` (module docstring).
+    - ``kv_transfer``: the P/D role (None: no KV connector, ``kv_transfer_params`` ignored as vLLM
+      does without one); ``kv_bytes_per_token``: KV bytes per token per rank, for the transfer time.
     """
 
     model_name: str = "kvroute-emulated"
@@ -112,6 +127,8 @@ class EmulatorSettings:
     kv_events: KVEventsSettings | None = None
     lora_modules: tuple[str, ...] = ()
     flavor: str = "vllm"
+    kv_transfer: KVTransferSettings | None = None
+    kv_bytes_per_token: float = 0.0
 
 
 def _sse(obj: Any) -> bytes:
@@ -136,7 +153,11 @@ class EmulatorServer:
             raise ValueError("LoRA adapters are not emulated with flavor sglang")
         self.model = EngineModel(engine, cost)
         self.metrics = EngineMetrics(
-            settings.model_name, self.model.stats, settings.flavor, engine.block_size
+            settings.model_name,
+            self.model.stats,
+            settings.flavor,
+            engine.block_size,
+            external=settings.kv_transfer is not None,
         )
         self.served = (settings.model_name, *settings.lora_modules)  # base model first
         self._lora_ids = {name: i + 1 for i, name in enumerate(settings.lora_modules)}
@@ -166,6 +187,22 @@ class EmulatorServer:
             metrics=self.metrics,
             publish=(lambda events: pub.publish(self._tag(events))) if pub is not None else None,
         )
+        kt = settings.kv_transfer
+        self.kv_transfer = kt
+        self.transfer: TransferModel | None = None
+        self.leases: Leases | None = None
+        self.side: SideChannel | None = None
+        self._side_ctx: Any = None  # D: zmq.asyncio.Context for side-channel requests
+        self._notifies: set[asyncio.Task[Any]] = set()
+        if kt is not None:
+            if settings.flavor != "vllm":
+                raise ValueError("a KV transfer role is emulated with flavor vllm only")
+            self.transfer = TransferModel.from_gbps(
+                settings.kv_bytes_per_token, kt.bandwidth_gbps, kt.latency_s
+            )
+            if kt.produces:
+                self.leases = Leases(lambda rid: self.driver.release(rid), kt.lease_timeout_s)
+                self.side = SideChannel(kt.side_host, kt.side_port, self.model.held, self.leases.end)
         self._filler = [tokenizer.encode(" " + w)[0] for w in FILLER_WORDS]
         self._filler_text = [tokenizer.decode([t]) for t in self._filler]
         self._created = int(time.time())
@@ -192,6 +229,12 @@ class EmulatorServer:
         """Open the KV event sockets, start the model's clock and listen. Returns the bound port."""
         if self.publisher is not None:
             self.publisher.start()
+        if self.side is not None:
+            self.side.start()
+        if self.kv_transfer is not None and self.kv_transfer.consumes:
+            import zmq.asyncio
+
+            self._side_ctx = zmq.asyncio.Context()
         self.driver.start()
         runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await runner.setup()
@@ -210,6 +253,15 @@ class EmulatorServer:
         await self.driver.stop()
         if self.publisher is not None:
             await self.publisher.close()
+        for task in list(self._notifies):
+            task.cancel()
+        if self.leases is not None:
+            self.leases.close()
+        if self.side is not None:
+            await self.side.close()
+        if self._side_ctx is not None:
+            self._side_ctx.destroy(linger=0)
+            self._side_ctx = None
 
     # -- simple endpoints ----------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -311,9 +363,10 @@ class EmulatorServer:
         try:
             body = await self._json(request)
             req = parse_completion(body, self.tokenizer, self.served, self.engine_config.max_model_len)
+            kvp = self._kv_params(body)
         except ApiError as exc:
             return web.json_response(exc.body(), status=exc.status)
-        return await self._generate(request, req, f"cmpl-{uuid.uuid4().hex}")
+        return await self._generate(request, req, self._request_id(request, "cmpl"), kvp)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -325,9 +378,36 @@ class EmulatorServer:
                 self.engine_config.max_model_len,
                 self.settings.default_max_tokens,
             )
+            kvp = self._kv_params(body)
         except ApiError as exc:
             return web.json_response(exc.body(), status=exc.status)
-        return await self._generate(request, req, f"chatcmpl-{uuid.uuid4().hex}")
+        return await self._generate(request, req, self._request_id(request, "chatcmpl"), kvp)
+
+    def _request_id(self, request: web.Request, prefix: str) -> str:
+        """``<prefix>-<X-Request-Id>`` when usable and not in use, else ``<prefix>-<random hex>``."""
+        xrid = request.headers.get("X-Request-Id", "")
+        if xrid and len(xrid) <= 256 and xrid.isprintable():
+            rid = f"{prefix}-{xrid}"
+            if not self.driver.known(rid):
+                return rid
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    def _kv_params(self, body: Any) -> KVParams:
+        """The request's P/D role; ApiError 400 when this engine's ``kv_role`` cannot play it."""
+        kt = self.kv_transfer
+        if kt is None:
+            return KVParams()  # no connector: vLLM ignores kv_transfer_params
+        kvp = parse_kv_transfer_params(body)
+        if kvp.remote_decode and not kt.produces:
+            raise bad(
+                f"this engine's kv_role is {kt.role}: it cannot prefill for a remote decode",
+                "kv_transfer_params",
+            )
+        if kvp.prefill is not None and not kt.consumes:
+            raise bad(
+                f"this engine's kv_role is {kt.role}: it cannot decode a remote prefill", "kv_transfer_params"
+            )
+        return kvp
 
     async def _json(self, request: web.Request) -> Any:
         raw = await request.read()
@@ -336,7 +416,9 @@ class EmulatorServer:
         except orjson.JSONDecodeError as exc:
             raise bad(f"Invalid JSON in request body: {exc}") from None
 
-    def _engine_request(self, rid: str, req: GenerateRequest) -> EngineRequest:
+    def _engine_request(
+        self, rid: str, req: GenerateRequest, remote_prefill: bool = False, hold: bool = False
+    ) -> EngineRequest:
         bs = self.engine_config.block_size
         adapter = req.model if req.model in self._lora_ids else None
         hashes: list[int] = []
@@ -344,16 +426,49 @@ class EmulatorServer:
             hashes = hash_blocks(req.prompt_ids, bs, extra_key(adapter))
             if adapter is not None:
                 self._adapter_blocks.update(dict.fromkeys(hashes, adapter))
-        return EngineRequest(rid, len(req.prompt_ids), req.max_tokens, tuple(hashes), req.prompt_ids)
+        return EngineRequest(
+            rid, len(req.prompt_ids), req.max_tokens, tuple(hashes), req.prompt_ids, remote_prefill, hold
+        )
 
     def _filler_ids(self, start: int, stop: int) -> list[int]:
         f = self._filler
         return [f[i % len(f)] for i in range(start, stop)]
 
-    async def _outputs(self, rid: str, req: GenerateRequest) -> AsyncGenerator[tuple[int, int, bool], None]:
+    async def _remote_read(self, rid: str, req: GenerateRequest, kvp: KVParams) -> bool:
+        """D: read P's blocks (side-channel ``read``, the modelled transfer time, ``done``); True when
+        the request may then run with ``remote_prefill``. P is notified even if this is cancelled
+        (the client went away) after a successful ``read``."""
+        remote = kvp.prefill
+        assert remote is not None and self.transfer is not None
+        ctx = self._side_ctx
+        remote_rid = remote.request_id or rid
+        ok, _ = await ask(ctx, remote.host, remote.port, "read", remote_rid)
+        if not ok:
+            return False  # P has no such blocks (lease expired, P gone): recompute here
+        notified = False
+        try:
+            hashes = self._engine_request(rid, req).block_hashes
+            lacking = len(req.prompt_ids) - self.model.local_hit_tokens(hashes, len(req.prompt_ids))
+            await asyncio.sleep(self.transfer.seconds(lacking) / self.settings.time_scale)
+            notified = True
+            await ask(ctx, remote.host, remote.port, "done", remote_rid)
+        finally:
+            if not notified:  # cancelled mid-transfer: P must still free its blocks
+                task = asyncio.get_running_loop().create_task(
+                    ask(ctx, remote.host, remote.port, "done", remote_rid)
+                )
+                self._notifies.add(task)
+                task.add_done_callback(self._notifies.discard)
+        return True
+
+    async def _outputs(
+        self, rid: str, req: GenerateRequest, kvp: KVParams
+    ) -> AsyncGenerator[tuple[int, int, bool], None]:
         """Submit the request and yield ``(tokens so far, cached prompt tokens, finished)`` per output
-        that adds tokens. Aborts the request if the consumer stops early (disconnect, cancel)."""
-        queue = self.driver.submit(self._engine_request(rid, req))
+        that adds tokens. Aborts the request if the consumer stops early (disconnect, cancel).
+        A D leg first reads P's blocks (:meth:`_remote_read`); a P leg keeps its blocks (``hold``)."""
+        remote = kvp.prefill is not None and await self._remote_read(rid, req, kvp)
+        queue = self.driver.submit(self._engine_request(rid, req, remote, kvp.remote_decode))
         finished = False
         try:
             cached = 0
@@ -372,13 +487,43 @@ class EmulatorServer:
         finally:
             if not finished:
                 self.driver.abort(rid)
+                self.driver.release(rid)  # a P leg that finished unseen: free, as vLLM on abort
 
-    async def _generate(self, request: web.Request, req: GenerateRequest, rid: str) -> web.StreamResponse:
+    def _transfer_params(self, rid: str, prompt_tokens: int, cached: int) -> dict[str, Any] | None:
+        """P, after its request finished: grant the lease and describe the blocks for D (vLLM's
+        ``request_finished`` answer), or None when nothing is held (no full block computed...)."""
+        kt, side, leases = self.kv_transfer, self.side, self.leases
+        if kt is None or side is None or leases is None:
+            return None
+        n = self.model.held(rid)
+        if n <= 0:
+            return None
+        leases.grant(rid)
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [list(range(n))],  # one KV cache group
+            "remote_engine_id": kt.engine_id,
+            "remote_request_id": rid,
+            "remote_host": side.host,
+            "remote_port": side.port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": prompt_tokens,
+            "remote_blocks_expiry_time": None,
+            "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": cached,
+        }
+
+    async def _generate(
+        self, request: web.Request, req: GenerateRequest, rid: str, kvp: KVParams
+    ) -> web.StreamResponse:
         if req.stream:
-            return await self._stream(request, req, rid)
+            return await self._stream(request, req, rid, kvp)
         created = int(time.time())
         n, cached = 0, 0
-        gen = self._outputs(rid, req)
+        gen = self._outputs(rid, req, kvp)
         try:
             async for progress in gen:
                 n, cached = progress[0], progress[1]
@@ -388,13 +533,19 @@ class EmulatorServer:
             await gen.aclose()
         text = self.tokenizer.decode(self._filler_ids(0, n))
         body = full_response(req, rid, created, text, "length", usage(len(req.prompt_ids), n, cached))
+        if self.kv_transfer is not None:
+            body["kv_transfer_params"] = (
+                self._transfer_params(rid, len(req.prompt_ids), cached) if kvp.remote_decode else None
+            )
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
-    async def _stream(self, request: web.Request, req: GenerateRequest, rid: str) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, req: GenerateRequest, rid: str, kvp: KVParams
+    ) -> web.StreamResponse:
         created = int(time.time())
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        gen = self._outputs(rid, req)
+        gen = self._outputs(rid, req, kvp)
         sent, cached = 0, 0
         try:
             if req.kind == "chat":
@@ -406,6 +557,8 @@ class EmulatorServer:
                     last = i == req.max_tokens - 1  # exactly max_tokens are generated
                     await resp.write(_sse(chunk(req, rid, created, text, "length" if last else None)))
                 sent = n
+            if kvp.remote_decode:  # a streamed P leg: the lease runs, nobody learns its params
+                self._transfer_params(rid, len(req.prompt_ids), cached)
             if req.include_usage:
                 await resp.write(
                     _sse(usage_chunk(req, rid, created, usage(len(req.prompt_ids), sent, cached)))

@@ -90,6 +90,17 @@ class EngineHost:
         finally:
             self._run(now)
 
+    def release(self, req_id: ReqId) -> bool:
+        """Free the blocks a finished ``hold_blocks`` request kept, now; False if it holds none."""
+        now = self.clock.now()
+        nt = self.engine.next_time()
+        if nt is not None and nt < now:
+            self._catch_up(now)
+        try:
+            return self.engine.release(req_id, now)
+        finally:
+            self._run(now)
+
     def poll(self) -> None:
         """Advance to now and schedule the wake-up afresh (after the clock was (re)started: a
         wake-up it dropped is asked for again; a duplicate is ignored when it fires)."""

@@ -29,6 +29,12 @@ a heap. A step whose schedule the cohort cannot reproduce exactly (a preemption,
 token budget, a chunk cut anywhere but at the end of the batch) dissolves the cohort back into
 per-request state and runs the per-request code; the decoders join again after that step. Outputs,
 KV events and stats are the same as without the cohort (tested against ``report_tokens=True``).
+
+Prefill/decode disaggregation (see ``EngineRequest``): a ``remote_prefill`` request counts the prompt
+tokens it lacks as external tokens read from the prefill instance at its first admission (all but the
+last count as computed; the last is computed again for its logits, as vLLM does), reports only its
+local hit as cached, and caches the read blocks like computed ones; a ``hold_blocks`` request keeps its blocks
+referenced after it finishes until ``release`` (its transfer lease).
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ class _Seq(RequestBlocks):
         "cached_tokens",
         "computed",
         "d0",
+        "external",
         "key",
         "known",
         "lazy",
@@ -77,6 +84,7 @@ class _Seq(RequestBlocks):
         self.out = 0
         self.known = req.prompt_len  # prompt_len + out, kept in step with out
         self.cached_tokens = 0
+        self.external = -1  # tokens read from a remote prefill instance (-1: not admitted yet)
         self.stepping = False  # part of the step in progress (per-request path)
         self.adm = 0  # admission number: running order is increasing ``adm``
         # cohort membership (see _Cohort): while ``lazy``, computed/out/known/nblocks are as of decode
@@ -262,12 +270,16 @@ class EngineModel:
         self._outputs: list[EngineOutput] = []
         self._queued_prefill = 0  # tokens still to prefill over waiting + running
         self._preemptions = 0
+        self._held: dict[ReqId, _Seq] = {}  # finished hold_blocks requests, blocks still referenced
+        self._held_blocks = 0
+        self._ext_query = 0  # prompt tokens of remote-prefill requests at first admission
+        self._ext_hit = 0  # of those, tokens read from the remote instance
         self.version = 0  # changes whenever ``stats()`` may have (a cheap staleness test for copies)
 
     # -- driver interface ---------------------------------------------------------------------
     def add_request(self, req: EngineRequest, now: float) -> None:
         """Queue a request arriving at ``now``. It joins the next step (now, if idle)."""
-        if req.req_id in self._seqs:
+        if req.req_id in self._seqs or req.req_id in self._held:
             raise ValueError(f"duplicate request id {req.req_id!r}")
         if req.prompt_len <= 0 or req.output_len <= 0:
             raise ValueError("prompt_len and output_len must be positive")
@@ -310,6 +322,33 @@ class EngineModel:
         self._outputs.append(EngineOutput(OutputKind.ABORTED, req_id, now, seq.out, seq.cached_tokens))
         return True
 
+    def release(self, req_id: ReqId, now: float) -> bool:
+        """Free the blocks a finished ``hold_blocks`` request kept (its reader is done, or its lease
+        expired). False if ``req_id`` holds nothing."""
+        seq = self._held.pop(req_id, None)
+        if seq is None:
+            return False
+        self.version += 1
+        self._cut_stretch(now)
+        self._held_blocks -= seq.nblocks
+        self.kv.free(seq)
+        if self._step is None and (self._waiting or self._running):
+            self._start_step(now)  # freed blocks may admit a waiting request
+        return True
+
+    def held(self, req_id: ReqId) -> int:
+        """Blocks a finished ``hold_blocks`` request still holds (0: none, or unknown)."""
+        seq = self._held.get(req_id)
+        return seq.nblocks if seq is not None else 0
+
+    def local_hit_tokens(self, block_hashes: tuple[int, ...], prompt_len: int) -> int:
+        """Tokens of a prompt this engine's prefix cache holds now (full blocks, at least one token
+        left to compute, as at admission). No mutation."""
+        if not (self.config.enable_prefix_caching and block_hashes):
+            return 0
+        hit, _ = self.kv.pool.count_hits(block_hashes, (prompt_len - 1) // self.config.block_size)
+        return hit * self.config.block_size
+
     def next_time(self) -> float | None:
         """When the step in progress ends (the next time ``advance`` does something), or None
         when the engine is idle."""
@@ -351,6 +390,10 @@ class EngineModel:
             prefix_query_tokens=kv.query_tokens,
             prefix_hit_tokens=kv.hit_tokens,
             preemptions=self._preemptions,
+            external_query_tokens=self._ext_query,
+            external_hit_tokens=self._ext_hit,
+            held_requests=len(self._held),
+            held_blocks=self._held_blocks,
         )
 
     def load(self) -> LoadSnapshot:
@@ -523,14 +566,25 @@ class EngineModel:
         while waiting and budget > 0 and len(running) < max_num_seqs:
             seq = waiting[0]
             hit, hit_evictable = kv.lookup(seq, seq.known)
-            computed = hit * bs
+            local = computed = hit * bs
+            external = 0
+            if seq.external < 0 and seq.req.remote_prefill:  # first admission: read what it lacks
+                # all of it comes from the remote instance (vLLM counts it as external), and the last
+                # prompt token is computed again here for its logits
+                external = seq.known - computed
+                computed = seq.known - 1
             n = min(seq.known - computed, budget)
             if not kv.admit(seq, hit, hit_evictable, computed + n, seq.out == 0):
                 break
             waiting.popleft()
+            if seq.external < 0:
+                seq.external = external
+                if seq.req.remote_prefill:
+                    self._ext_query += seq.req.prompt_len
+                    self._ext_hit += external
             self._queued_prefill -= _pending(seq)
             seq.computed = computed
-            seq.cached_tokens = computed
+            seq.cached_tokens = local  # vLLM reports the local hit (the remote part is external)
             self._queued_prefill += _pending(seq)
             seq.stepping = True
             self._adm += 1
@@ -665,7 +719,11 @@ class EngineModel:
             seq.out += 1
             seq.known += 1
             if seq.out == 1:
-                outputs.append(EngineOutput(OutputKind.FIRST_TOKEN, seq.req.req_id, t, 1, seq.cached_tokens))
+                outputs.append(
+                    EngineOutput(
+                        OutputKind.FIRST_TOKEN, seq.req.req_id, t, 1, seq.cached_tokens, max(seq.external, 0)
+                    )
+                )
             elif report:
                 outputs.append(EngineOutput(OutputKind.TOKEN, seq.req.req_id, t, seq.out, seq.cached_tokens))
             if seq.out >= seq.req.output_len:
@@ -682,8 +740,15 @@ class EngineModel:
                 finished = sorted(finished + done, key=_by_adm) if finished else done
         for seq in finished:
             self._running.remove(seq)
-            self._drop(seq)
-            outputs.append(EngineOutput(OutputKind.FINISHED, seq.req.req_id, t, seq.out, seq.cached_tokens))
+            if seq.req.hold_blocks:
+                self._hold(seq)
+            else:
+                self._drop(seq)
+            outputs.append(
+                EngineOutput(
+                    OutputKind.FINISHED, seq.req.req_id, t, seq.out, seq.cached_tokens, max(seq.external, 0)
+                )
+            )
         if cohort is not None:
             for seq in decoding:
                 explicit.remove(seq)
@@ -715,6 +780,14 @@ class EngineModel:
         self._outputs.append(
             EngineOutput(OutputKind.PREEMPTED, seq.req.req_id, now, seq.out, seq.cached_tokens)
         )
+
+    def _hold(self, seq: _Seq) -> None:
+        """A finished ``hold_blocks`` request: forget it as a request, keep its blocks referenced."""
+        self._queued_prefill -= _pending(seq)
+        seq.stepping = False
+        del self._seqs[seq.req.req_id]
+        self._held[seq.req.req_id] = seq
+        self._held_blocks += seq.nblocks
 
     def _drop(self, seq: _Seq) -> None:
         """Forget a finished or aborted request and free its blocks."""

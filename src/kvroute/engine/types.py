@@ -41,6 +41,12 @@ class EngineRequest:
     - ``block_hashes``: chained hashes of the prompt's *full* blocks at the engine's block size
       (``len == prompt_len // block_size``); equal hashes mean equal prefixes.
     - ``token_ids``: the prompt's token ids when known, carried into ``BlockStored`` events.
+    - ``remote_prefill`` (a P/D decode instance): the prompt tokens the engine does not hold are read
+      from the prefill instance, not computed: at first admission they count as external, all but the
+      last as computed, and the engine computes the last one again itself (vLLM's NIXL consumer). The
+      driver models the transfer's duration before it adds the request.
+    - ``hold_blocks`` (a P/D prefill instance): when the request finishes, its blocks stay referenced
+      until ``EngineModel.release`` (the decode instance read them, or the lease expired).
     """
 
     req_id: ReqId
@@ -48,6 +54,8 @@ class EngineRequest:
     output_len: int
     block_hashes: tuple[int, ...] = ()
     token_ids: tuple[int, ...] | None = None
+    remote_prefill: bool = False
+    hold_blocks: bool = False
 
 
 class OutputKind(Enum):
@@ -62,8 +70,10 @@ class OutputKind(Enum):
 class EngineOutput:
     """Something that happened to a request at ``time`` (end of the step that produced it).
 
-    ``num_cached_tokens`` is the prompt's prefix-cache hit at its (last) admission, in tokens;
-    ``num_output_tokens`` counts output tokens produced so far.
+    ``num_cached_tokens`` is the prompt's local prefix-cache hit at its (last) admission, in tokens;
+    ``num_external_tokens`` the prompt tokens read from a remote prefill instance instead (vLLM 0.32
+    reports only the local part as ``cached_tokens``); ``num_output_tokens`` counts output tokens
+    produced so far.
     """
 
     kind: OutputKind
@@ -71,6 +81,7 @@ class EngineOutput:
     time: float
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    num_external_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +126,11 @@ class EngineStats:
     - ``prefix_query_tokens``/``prefix_hit_tokens``: cumulative prompt tokens looked up / found in
       the prefix cache at admission (vLLM's prefix-cache queries and hits).
     - ``preemptions``: cumulative preemptions.
+    - ``external_query_tokens``/``external_hit_tokens``: cumulative prompt tokens of remote-prefill
+      requests at first admission / of those, read from the remote instance (vLLM's
+      ``external_prefix_cache_queries``/``_hits``).
+    - ``held_requests``/``held_blocks``: finished requests whose blocks a remote decode instance has
+      not released yet (counted in ``used_blocks``).
     """
 
     running: int
@@ -128,6 +144,10 @@ class EngineStats:
     prefix_hit_tokens: int
     preemptions: int
     decode_kv_tokens: int = 0
+    external_query_tokens: int = 0
+    external_hit_tokens: int = 0
+    held_requests: int = 0
+    held_blocks: int = 0
 
 
 class CostModel(Protocol):

@@ -16,6 +16,8 @@ observe/    decision records, metrics and exporters, tracing, dashboard, debug  
 stages/     one request's stages: prepare, decide, reserve/forward, settle         observe, state, wire,
                                                                                    config
 pipeline.py the handler that runs the stages in order, and the in-flight requests   stages and below
+pd.py       the P/D mode's app and one request's two legs (prefill, decode)       observe, state, wire,
+                                                                                   config
 app.py,     process lifecycle: the server (app), one process's run loop and        everything below
 cluster.py, reload (run), the multi-worker supervisor (workers), engine clusters
 run.py,     for ``up``/``demo`` (cluster)

@@ -70,6 +70,8 @@ class BackendSpec:
     - ``tags``: labels of the backend, e.g. ``("spot",)`` (see ``kvroute.features.limits``).
     - ``models``, ``lora_adapters``: the model ids and LoRA adapters it serves (both empty: read from
       its ``/v1/models``); ``engine``: ``"vllm"`` or ``"sglang"`` (None: detected from its metrics).
+    - ``role``: ``"prefill"`` or ``"decode"`` in a disaggregated fleet (``kvroute.server.pd``); None:
+      a colocated engine.
     """
 
     url: str
@@ -79,6 +81,7 @@ class BackendSpec:
     models: tuple[str, ...] = ()
     lora_adapters: tuple[str, ...] = ()
     engine: str | None = None
+    role: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,6 +65,12 @@ class RunSpec:
     # Shadow policies (kvroute.routing.shadow): computed at every decision from the same views;
     # ``out["shadow"]`` = {name: {"decisions", "agreement", "mean_score_diff", "mean_cached_diff"}}.
     shadow: tuple[str, ...] = ()
+    # Prefill/decode disaggregation (kvroute.sim.pd): (P, D) pool sizes instead of ``instances``
+    # colocated ones; the P-to-D link in GB/s (KV bytes per token from the profile's model config);
+    # ``pd_conditional``: allow the conditional skip of P.
+    pd: tuple[int, int] | None = None
+    pd_bandwidth_gbps: float = 25.0
+    pd_conditional: bool = True
 
 
 def load_profile(spec: RunSpec) -> Any:
@@ -110,8 +116,13 @@ def run_spec(spec: RunSpec, progress: Callable[[float, int, int], None] | None =
     stream, stats = open_workload(
         spec.trace, spec.fmt, spec.workload, spec.rate_scale, spec.duration, spec.seed, spec.skip_bad_lines
     )
-    sim = ClusterSim(cfg, policy, profile.cost, spec.shadow)
-    out = sim.run(stream, progress)
+    sim: Any
+    if spec.pd is not None:
+        sim = _pd_sim(spec, profile)
+        out = sim.run(stream)
+    else:
+        sim = ClusterSim(cfg, policy, profile.cost, spec.shadow)
+        out = sim.run(stream, progress)
     if spec.keep_samples:
         out["samples"] = {
             "ttft_ms": quantile_points_ms(sim.recorder.ttft, SAMPLE_POINTS),
@@ -122,3 +133,30 @@ def run_spec(spec: RunSpec, progress: Callable[[float, int, int], None] | None =
     out["rate_scale"] = spec.rate_scale
     out["skipped_lines"] = stats.bad_lines
     return out
+
+
+def _pd_sim(spec: RunSpec, profile: Any) -> Any:
+    """The disaggregated cluster of ``spec.pd`` (features and shadows are not simulated there)."""
+    from kvroute.engine.transfer import TransferModel
+    from kvroute.sim.pd import PDClusterSim, PDSimConfig
+
+    if spec.features.any or spec.shadow or spec.kv_view != "exact":
+        raise UserError("--pd simulates the exact KV view without features or shadow policies")
+    if not spec.pd_bandwidth_gbps > 0:
+        raise UserError("--pd-bandwidth must be positive (GB/s)")
+    link = TransferModel.from_gbps(profile.model.kv_bytes_per_token_per_rank(spec.tp), spec.pd_bandwidth_gbps)
+    assert spec.pd is not None
+    p, d = spec.pd
+    cfg = PDSimConfig(
+        prefill=p,
+        decode=d,
+        kv_capacity_tokens=spec.kv_tokens or profile.kv_capacity_tokens,
+        transfer=link,
+        max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        prefix_caching=spec.prefix_caching,
+        conditional=spec.pd_conditional,
+        event_delay=spec.event_delay,
+        seed=spec.seed,
+    )
+    return PDClusterSim(cfg, spec.policy, profile.cost)

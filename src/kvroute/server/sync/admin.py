@@ -131,7 +131,9 @@ def spec_from_body(raw: bytes) -> BackendSpec:
     engine = body.get("engine")
     if engine is not None and engine not in ("vllm", "sglang"):
         raise ApiError(400, "'engine' must be 'vllm' or 'sglang'", "engine")
-    return BackendSpec(url, events, replay, engine=engine, **lists)
+    return BackendSpec(
+        url, events, replay, lists["tags"], lists["models"], lists["lora_adapters"], engine=engine
+    )
 
 
 def _json(data: object, status: int = 200) -> web.Response:

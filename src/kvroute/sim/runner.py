@@ -10,6 +10,7 @@ from typing import Any
 
 from kvroute.errors import UserError
 from kvroute.features.settings import FeatureConfig
+from kvroute.routing.queue import QueueConfig
 
 SAMPLE_POINTS = 2000
 """Most per-request points ``run_spec`` returns per metric with ``keep_samples`` (evenly spaced quantiles)."""
@@ -65,6 +66,8 @@ class RunSpec:
     # Shadow policies (kvroute.routing.shadow): computed at every decision from the same views;
     # ``out["shadow"]`` = {name: {"decisions", "agreement", "mean_score_diff", "mean_cached_diff"}}.
     shadow: tuple[str, ...] = ()
+    # The router-side queue (kvroute.routing.queue; None: off): late binding, bands, fair share, TTL.
+    router_queue: QueueConfig | None = None
 
 
 def load_profile(spec: RunSpec) -> Any:
@@ -104,6 +107,7 @@ def run_spec(spec: RunSpec, progress: Callable[[float, int, int], None] | None =
         scale_out=spec.scenario.scale_out,
         spot_instances=spec.scenario.spot_instances,
         by_class=spec.scenario.by_class or spec.features.classes is not None,
+        router_queue=spec.router_queue,
     )
     cfg.check()
     policy = build_policy(spec.policy, spec.features.check(), random.Random(spec.seed))

@@ -390,8 +390,10 @@ class RouterQueue:
         tick = self.config.tick_s
         if not tick:
             return now
-        k = math.floor(now / tick) + 1
-        return k * tick
+        t = (math.floor(now / tick) + 1) * tick
+        while t <= now:  # rounding: ``now / tick`` can land just below a whole number
+            t += tick
+        return t
 
     # -- internals ------------------------------------------------------------------------------
     def _next(self, blocked: set[Hashable]) -> tuple[tuple[float, Hashable], float, str] | None:

@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, write

@@ -57,9 +57,9 @@ from typing import Any
 from kvroute.errors import UserError
 from kvroute.features.classes import ClassConfig
 from kvroute.features.limits import QuotaConfig
-from kvroute.features.mapping import FEATURES, build, default_of, features_from_mapping, typed
+from kvroute.features.mapping import FEATURES, default_of, features_from_mapping, typed
 from kvroute.features.settings import FeatureConfig
-from kvroute.routing.queue import QueueConfig
+from kvroute.routing.queue import QueueConfig, queue_from_mapping
 from kvroute.server.config import BackendSpec, RouterConfig, parse_backend_url
 from kvroute.sim.runner import RunSpec, SimScenario
 
@@ -480,19 +480,6 @@ def queue_flags(queue: QueueConfig | None) -> list[str]:
     if queue.tick_s != default.tick_s:
         parts.append(f"--queue-tick {_num(queue.tick_s)}")
     return parts
-
-
-def queue_from_mapping(value: Any, where: str) -> QueueConfig | None:
-    """The YAML ``router_queue`` value: ``true`` (defaults), ``false``/null (off) or a mapping of
-    :class:`~kvroute.routing.queue.QueueConfig` fields."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        return QueueConfig()
-    if not isinstance(value, Mapping):
-        raise UserError(f"{where}: router_queue must be true, false or a mapping, got {value!r}")
-    queue: QueueConfig = build(QueueConfig, value, f"{where}: router_queue")
-    return queue.check()
 
 
 def scenario_from_args(args: argparse.Namespace) -> SimScenario:

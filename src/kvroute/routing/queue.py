@@ -84,6 +84,7 @@ __all__ = [
     "Ticket",
     "band_of",
     "open_views",
+    "queue_from_mapping",
     "retry_after_s",
     "saturated",
 ]
@@ -126,6 +127,22 @@ class QueueConfig:
         if not (self.tick_s >= 0 and math.isfinite(self.tick_s)):
             raise UserError(f"router queue: tick_s must be >= 0 seconds (got {self.tick_s})")
         return self
+
+
+def queue_from_mapping(value: Any, where: str) -> QueueConfig | None:
+    """A config value (a router YAML's ``router_queue``, Ray's ``request_router_kwargs``): ``true``
+    (the defaults), ``false`` / null (off) or a mapping of :class:`QueueConfig` fields (UserError
+    for anything else or a bad field)."""
+    from kvroute.features.mapping import build
+
+    if value is None or value is False:
+        return None
+    if value is True:
+        return QueueConfig()
+    if not isinstance(value, Mapping):
+        raise UserError(f"{where}: router_queue must be true, false or a mapping, got {value!r}")
+    queue: QueueConfig = build(QueueConfig, value, f"{where}: router_queue")
+    return queue.check()
 
 
 def saturated(view: InstanceView) -> bool:

@@ -50,11 +50,21 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--mooncake", default=None, help="the Mooncake conversation trace (default: from ../shared)"
     )
+    p.add_argument("--rerender", action="store_true", help="rewrite the markdown from the JSON, run nothing")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _args(sys.argv[1:] if argv is None else argv)
+    if args.rerender:
+        import json
+
+        from benchmarks.common import RESULTS
+
+        result = json.loads((RESULTS / "router_queue_study.json").read_text())
+        DOC.write_text(markdown(result, {w["name"]: Slo(**w["slo"]) for w in result["workloads"]}))
+        print(f"wrote {DOC.relative_to(ROOT)}")
+        return 0
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     seeds = tuple(int(s) for s in args.seeds.split(","))
     arms = [a for p in policies for a in (p, p + ROUTER_QUEUE)]
@@ -125,6 +135,51 @@ def _mean(xs: list[float | None]) -> float:
     return statistics.fmean(vals) if len(vals) == len(xs) and vals else math.nan
 
 
+WHAT = """## What `--router-queue` does
+
+A request is routed by the routing core over all its candidates, as they are now; it goes out only
+when the instance the policy chose can take it. An instance is *saturated* when its next step cannot
+start a new request's prefill: what the next step owes the work already there (one token per running
+sequence plus the queued prefill the step in progress leaves over) reaches its chunk budget
+(`max_num_batched_tokens`), or its batch is full (`running + waiting >= max_num_seqs`). A request
+whose choice is saturated waits at the router and is routed again, from fresh views, at every state
+change of an instance (in the simulator: every engine step end, with a fresh copy of that engine's
+load); priority bands (request classes by BS weight), fair share between users (start-time fair
+queueing over tokens) and a TTL (503 with `Retry-After`) order and bound the wait. The code:
+`src/kvroute/routing/queue.py`; the simulator's driver: `src/kvroute/sim/cluster.py`.
+"""
+
+
+def _verdict(result: dict[str, Any]) -> list[str]:
+    """Where the queue wins, ties and loses, computed from the rows (ratios of the seed means)."""
+    rows = result["rows"]
+    arms = [a for a in result["arms"] if not a.endswith(ROUTER_QUEUE)]
+    cap: dict[str, list[str]] = {"higher": [], "equal": [], "lower": []}
+    light_worse = []
+    for w in result["workloads"]:
+        for arm in arms:
+            off = [r for r in rows if r["workload"] == w["name"] and r["arm"] == arm]
+            on = [r for r in rows if r["workload"] == w["name"] and r["arm"] == arm + ROUTER_QUEUE]
+            c_off, c_on = _mean([r["capacity"] for r in off]), _mean([r["capacity"] for r in on])
+            key = "higher" if c_on > c_off * 1.0001 else "lower" if c_on < c_off * 0.9999 else "equal"
+            cap[key].append(f"{arm} on {w['name']} ({c_on / c_off:.2f}×)")
+            l_off = _mean([r["light_ttft_p99_ms"] for r in off])
+            l_on = _mean([r["light_ttft_p99_ms"] for r in on])
+            if l_on > l_off * 1.0001:
+                light_worse.append(f"{arm} on {w['name']} ({l_off:.1f} → {l_on:.1f} ms)")
+    n = sum(len(v) for v in cap.values())
+    return [
+        "## Summary (computed from the rows below)",
+        "",
+        f"- Capacity at the SLO with the queue: higher in {len(cap['higher'])} of {n} (policy, workload) "
+        f"pairs, equal in {len(cap['equal'])}, lower in {len(cap['lower'])}.",
+        f"  Higher: {', '.join(cap['higher']) or 'none'}.",
+        f"  Lower: {', '.join(cap['lower']) or 'none'}.",
+        f"- TTFT p99 at the light rate, worse with the queue: {', '.join(light_worse) or 'nowhere'}.",
+        "",
+    ]
+
+
 def markdown(result: dict[str, Any], slos: dict[str, Slo]) -> str:
     rows = result["rows"]
     lines = [
@@ -143,6 +198,8 @@ def markdown(result: dict[str, Any], slos: dict[str, Slo]) -> str:
         "rate (×2 ramps, 3 bisections: within 9 %), the same search for every arm and seed. `+queue`: "
         "`--router-queue` with its defaults (TTL 30 s, no tick). Capacity and TTFT are means over seeds.",
         "",
+        WHAT,
+        *_verdict(result),
     ]
     for w in result["workloads"]:
         name = w["name"]

@@ -185,7 +185,7 @@ def test_router_queue_holds_requests_while_the_replica_is_saturated(serve_app: C
     router = router_of(handle)
     assert router.queue is not None
     wait_for(
-        lambda: any("max_num_batched_tokens" in (r.routing_stats or {}) for r in router._replicas.values())
+        lambda: any("max_num_batched_tokens" in (r.routing_stats or {}) for r in router._by_rid.values())
     )
     wait_for(lambda: len(router.inflight) == 0)
 

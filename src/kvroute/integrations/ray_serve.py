@@ -155,7 +155,7 @@ class KVRouteRequestRouter(RequestRouter):
         self.queue = RouterQueue(qcfg) if qcfg is not None else None
         classes = feats.classes if feats is not None else None
         self._band_weights = (classes if classes is not None else ClassConfig()).weight_map
-        self._replicas: dict[str, RunningReplica] = {}  # full replica id → the latest RunningReplica
+        self._by_rid: dict[str, RunningReplica] = {}  # full replica id → the latest RunningReplica
         self.prompts = PromptChains(RequestTokenizer(load_tokenizer(tokenizer)), block_size)
         self.inflight = InFlight(reservation_ttl_s)
         self.sync_interval_s = sync_interval_s
@@ -198,7 +198,7 @@ class KVRouteRequestRouter(RequestRouter):
             idx = self._index_of(rid)
             self._read_stats(rid, idx, r.routing_stats or {}, now)
             by_index[idx] = r
-            self._replicas[rid] = r
+            self._by_rid[rid] = r
         pool = tuple(r.replica_id.to_full_id_str() for r in candidate_replicas)
         if self.queue is not None and pending_request is not None:
             decision = await self._queued(req, pending_request, pool, now)
@@ -220,7 +220,7 @@ class KVRouteRequestRouter(RequestRouter):
         done = self.inflight.completed()
         views = []
         for rid in pool:
-            r = self._replicas.get(rid)
+            r = self._by_rid.get(rid)
             idx = self._index.get(rid)
             if r is None or idx is None:
                 continue  # left since
@@ -241,7 +241,7 @@ class KVRouteRequestRouter(RequestRouter):
         self.inflight.reserve(key, rid, decision.new_prefill(decision.instance), now)
         self._chosen[key] = (req, decision)
         if not self._use_replica_queue_len_cache:  # Ray calls no on_request_routed then
-            self._record_routed(pr, self._replicas[rid].replica_id, now)
+            self._record_routed(pr, self._by_rid[rid].replica_id, now)
 
     def _rid_of(self, idx: int) -> str | None:
         for rid, i in self._index.items():
@@ -336,7 +336,7 @@ class KVRouteRequestRouter(RequestRouter):
         if idx is not None:
             self.core.kv.remove_backend(idx)
         self.inflight.drop_replica(rid)
-        self._replicas.pop(rid, None)
+        self._by_rid.pop(rid, None)
         self._others.pop(rid, None)
         self._stats_seen.pop(rid, None)
         task = self._subscribers.pop(rid, None)

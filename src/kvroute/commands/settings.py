@@ -636,7 +636,7 @@ def backends_from_text(text: str, where: str) -> tuple[BackendSpec, ...]:
     (``#`` comments). Raises :class:`UserError` naming ``where``."""
     import yaml
 
-    from kvroute.server.discovery import parse_backends_text
+    from kvroute.server.sync.discovery import parse_backends_text
 
     try:
         data = yaml.safe_load(text)

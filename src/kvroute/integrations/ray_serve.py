@@ -87,10 +87,10 @@ from kvroute.features.classes import ClassConfig
 from kvroute.integrations.inflight import InFlight, instance_view
 from kvroute.integrations.prompts import PromptChains, body_of
 from kvroute.integrations.ray_state import Load, Routed, SharedRoutingState
+from kvroute.prepare.tokenize import RequestTokenizer
 from kvroute.routing.core import Decision, RouteRequest, RoutingCore, build_policy
 from kvroute.routing.kvview import KVView
 from kvroute.routing.queue import RouterQueue, Ticket, band_of, queue_from_mapping
-from kvroute.server.tokenize import RequestTokenizer
 from kvroute.tokenizer import load_tokenizer
 from kvroute.views import InstanceView
 
@@ -384,7 +384,7 @@ class KVRouteRequestRouter(RequestRouter):
     def _subscribe(self, rid: str, idx: int, endpoint: str, replay: Any, now: float) -> None:
         import zmq.asyncio
 
-        from kvroute.server.events import EventSubscriber
+        from kvroute.prepare.events import EventSubscriber
 
         if self._zmq is None:
             self._zmq = zmq.asyncio.Context()

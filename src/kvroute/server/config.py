@@ -40,8 +40,8 @@ The command-line flags and the YAML file that build it are read by :mod:`kvroute
 
 A backend mapping may carry ``tags: [spot]`` (spot instances, see ``features.limits``), ``models:
 [...]`` and ``lora_adapters: [...]`` (what it serves, instead of reading its ``/v1/models``; see
-:mod:`kvroute.server.pools`) and ``engine: vllm | sglang`` (its metric names; unset: detected, see
-:mod:`kvroute.server.engines`).
+:mod:`kvroute.server.state.pools`) and ``engine: vllm | sglang`` (its metric names; unset: detected, see
+:mod:`kvroute.server.sync.engines`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from urllib.parse import urlparse
 from kvroute.errors import UserError
 from kvroute.features.settings import FeatureConfig
 
-__all__ = ["BackendSpec", "RouterConfig", "parse_backend_url"]
+__all__ = ["BackendSpec", "RouterConfig", "parse_backend_url", "parse_peer_endpoint"]
 
 
 TOKENIZE_MODES = ("defer", "exact")  # RouterConfig.tokenize
@@ -115,23 +115,23 @@ class RouterConfig:
       refused (503) and the listening socket is closed; requests in flight are awaited for up to
       ``drain_timeout_s`` seconds more, then ended (a stream with an SSE error event).
     - ``admin_token``: the bearer token of the admin API (``/admin/backends``, see
-      :mod:`kvroute.server.admin`); None: the admin API is off (its routes are not registered). Not
+      :mod:`kvroute.server.sync.admin`); None: the admin API is off (its routes are not registered). Not
       shown in ``repr``.
     - ``discover``: discovery sources, ``dns://NAME:PORT`` or ``file://PATH`` (see
-      :mod:`kvroute.server.discovery`), checked every ``discover_interval_s`` seconds; the backends
+      :mod:`kvroute.server.sync.discovery`), checked every ``discover_interval_s`` seconds; the backends
       they list join ``backends`` (which discovery never removes). ``discover_kv_events``: the KV event
       endpoint of a DNS-discovered backend, a template with ``{host}`` (None: approximate view).
     - ``models_interval_s``: how often each backend's ``/v1/models`` is read again (model pools).
     - ``peer_bind``, ``peers``, ``peer_expiry_s``, ``peer_refresh_s``: router replicas that share their
-      reservations (:mod:`kvroute.server.peers`): receive the other replicas' at ``peer_bind``
+      reservations (:mod:`kvroute.server.sync.peers`): receive the other replicas' at ``peer_bind``
       (``tcp://HOST:PORT``), announce this one's to ``peers`` (``tcp://HOST:PORT`` or
       ``dns://NAME:PORT``, every address of NAME); a re-announcement every ``peer_refresh_s`` seconds
       heals lost messages, a peer silent for ``peer_expiry_s`` seconds is forgotten.
     - ``explain``, ``decisions_kept``, ``access_log``, ``shadow``, ``otel``: seeing decisions (see
-      :mod:`kvroute.server.observe`): explanation headers on every response, the size of the decision
+      :mod:`kvroute.server.observe.observer`): explanation headers on every response, the size of the decision
       ring buffer (``GET /debug/decisions``), the JSON-lines access log (None: off; ``-``: stdout),
       shadow policies (:mod:`kvroute.routing.shadow`) and OpenTelemetry traces
-      (:mod:`kvroute.server.tracing`).
+      (:mod:`kvroute.server.observe.tracing`).
     """
 
     backends: tuple[BackendSpec, ...]
@@ -236,8 +236,6 @@ class RouterConfig:
         return self
 
     def _validate_peers(self) -> None:
-        from kvroute.server.peers import parse_peer_endpoint
-
         if self.peer_bind is not None:
             parse_peer_endpoint(self.peer_bind, dns=False)
         for p in self.peers:
@@ -261,3 +259,17 @@ def parse_backend_url(url: str) -> str:
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise UserError(f"backend URL {url!r} must look like http://host:port")
     return u
+
+
+def parse_peer_endpoint(text: str, dns: bool = True) -> tuple[str, str, int]:
+    """``tcp://HOST:PORT`` (or, with ``dns``, ``dns://NAME:PORT``) → (scheme, host, port); raises
+    :class:`UserError` otherwise. ``HOST`` may be ``*`` or an IPv6 address in brackets."""
+    scheme, sep, rest = text.partition("://")
+    schemes = ("tcp", "dns") if dns else ("tcp",)
+    want = " or dns://NAME:PORT" if dns else ""
+    host, colon, port = rest.rpartition(":")
+    if not sep or scheme not in schemes or not colon or not host or not port.isdigit():
+        raise UserError(f"peer endpoint {text!r}: expected tcp://HOST:PORT{want}")
+    if not 1 <= int(port) <= 65535:
+        raise UserError(f"peer endpoint {text!r}: port must be in 1..65535")
+    return scheme, host.removeprefix("[").removesuffix("]"), int(port)

@@ -42,10 +42,10 @@ from typing import TYPE_CHECKING, Any
 
 from kvroute.routing.core import Decision
 from kvroute.routing.shadow import ShadowPick
-from kvroute.server.persecond import PerSecond
+from kvroute.server.observe.persecond import PerSecond
 
 if TYPE_CHECKING:
-    from kvroute.server.router import RouterCore
+    from kvroute.server.state.router import RouterState
 
 __all__ = ["DecisionLog", "DecisionRecord", "record_json", "router_state"]
 
@@ -100,7 +100,7 @@ class DecisionRecord:
         self.status: int | None = None
         self.complete = False
         self.cached_real: int | None = None
-        self.spans: Any = None  # the tracing spans (kvroute.server.tracing), when traced
+        self.spans: Any = None  # the tracing spans (kvroute.server.observe.tracing), when traced
 
     def attempt(self, backend: int, retry: bool, now: float) -> None:
         """An attempt is sent to ``backend`` at ``now``; ``retry``: not the plan's first attempt."""
@@ -227,7 +227,7 @@ def record_json(rec: DecisionRecord, url_of: Callable[[int], str]) -> dict[str, 
     }
 
 
-def router_state(core: RouterCore, log: DecisionLog, limit: int = 20) -> dict[str, Any]:
+def router_state(core: RouterState, log: DecisionLog, limit: int = 20) -> dict[str, Any]:
     """The router's state as JSON-able data (for ``GET /debug/state`` and a dashboard): the policy,
     the request counters, every live backend's load and KV view mode, and the newest ``limit``
     decisions (newest first). Reads only; ``core.clock`` for the KV view modes."""

@@ -1,7 +1,7 @@
 """Per-backend state: router-side counters, scraped engine metrics, health, and the merged load view.
 
 Router-side counters (fresh, but only the routers' traffic), per backend, kept in a
-:class:`~kvroute.server.loadtable.LoadTable` row of this process (the table is shared by the workers of
+:class:`~kvroute.server.state.loadtable.LoadTable` row of this process (the table is shared by the workers of
 a machine and carries the load other replicas announced):
 
 - ``waiting``: requests routed there whose first byte has not come back yet;
@@ -33,7 +33,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kvroute.server.loadtable import LoadTable
+from kvroute.server.state.loadtable import LoadTable
 from kvroute.views import InstanceView
 
 __all__ = [
@@ -157,7 +157,7 @@ def parse_vllm_metrics(text: bytes, at: float) -> ScrapedMetrics | None:
 
 class BackendState:
     """Mutable state of one backend. Mutated only by :class:`Lease`, the scraper, the health
-    checker and the membership operations of :class:`~kvroute.server.router.RouterCore` (all on the
+    checker and the membership operations of :class:`~kvroute.server.state.router.RouterState` (all on the
     router's event loop).
 
     ``state``: :data:`ACTIVE`, :data:`DRAINING` or :data:`REMOVED` (see those). ``healthy``: admitted by

@@ -4,8 +4,8 @@ gets a 401 ``unauthorized``).
 
 - ``GET /debug/decisions?limit=N``: ``{"object": "list", "kept": capacity, "total": ever recorded,
   "data": [record, ...]}``, the newest ``N`` decision records first (default 50; 1 ≤ N ≤ the ring
-  buffer's size, else 400); a record's JSON is described in :mod:`kvroute.server.decisions`.
-- ``GET /debug/state?limit=N``: :func:`kvroute.server.decisions.router_state` (backends' load and KV
+  buffer's size, else 400); a record's JSON is described in :mod:`kvroute.server.observe.decisions`.
+- ``GET /debug/state?limit=N``: :func:`kvroute.server.observe.decisions.router_state` (backends' load and KV
   view mode, counters, the newest ``N`` decisions; default 20).
 """
 
@@ -17,10 +17,10 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from kvroute.server.decisions import DecisionLog, record_json, router_state
-from kvroute.server.proxy import error_response
-from kvroute.server.router import RouterCore
-from kvroute.server.validate import ApiError
+from kvroute.server.observe.decisions import DecisionLog, record_json, router_state
+from kvroute.server.state.router import RouterState
+from kvroute.server.wire.http import error_response
+from kvroute.server.wire.validate import ApiError
 
 __all__ = ["add_debug_routes", "bearer_guard", "request_limit"]
 
@@ -60,7 +60,7 @@ def request_limit(request: web.Request, default: int, most: int) -> int:
     return value
 
 
-def add_debug_routes(app: web.Application, core: RouterCore, log: DecisionLog, token: str) -> None:
+def add_debug_routes(app: web.Application, core: RouterState, log: DecisionLog, token: str) -> None:
     """Register the routes of the module docstring on ``app``."""
 
     async def decisions(request: web.Request) -> web.Response:

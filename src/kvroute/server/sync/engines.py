@@ -1,6 +1,6 @@
 """Engine kinds: what a backend's ``/metrics`` is called, read per backend (vLLM or SGLang).
 
-- **vLLM**: :func:`~kvroute.server.backends.parse_vllm_metrics` (``vllm:num_requests_running``,
+- **vLLM**: :func:`~kvroute.server.state.backends.parse_vllm_metrics` (``vllm:num_requests_running``,
   ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:cache_config_info``).
 - **SGLang** (``sglang/srt/metrics/collector.py``, ``SchedulerMetricsCollector``):
   ``sglang:num_running_reqs`` and ``sglang:num_queue_reqs`` (requests), ``sglang:token_usage`` (share
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-from kvroute.server.backends import ScrapedMetrics, parse_vllm_metrics
+from kvroute.server.state.backends import ScrapedMetrics, parse_vllm_metrics
 
 __all__ = ["ENGINES", "SCRAPE_PATH", "parse_metrics", "parse_sglang_metrics"]
 

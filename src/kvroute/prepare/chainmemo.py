@@ -1,7 +1,7 @@
 """Block hashes of prompts made of cached pieces, memoised along the pieces' path.
 
 A prompt reaches the router as *pieces* (chat messages, or segments of a long completion prompt;
-see :mod:`kvroute.server.tokenize`), most of them seen before: a conversation's earlier turns, a
+see :mod:`kvroute.prepare.tokenize`), most of them seen before: a conversation's earlier turns, a
 shared system prompt. The hash of a block depends on every token before it, so the hashes of the
 blocks that *end inside* piece ``i`` depend only on pieces ``0..i``. :class:`ChainMemo` stores them
 under ``(node of pieces 0..i-1, key of piece i)``, where a node names a path of pieces from the root

@@ -26,7 +26,7 @@ from kvroute.routing.kvview import KVView
 
 __all__ = ["EventSubscriber"]
 
-log = logging.getLogger("kvroute.server.events")
+log = logging.getLogger("kvroute.prepare.events")
 
 
 def _recv_now(sock: zmq.asyncio.Socket) -> list[bytes]:

@@ -1,14 +1,14 @@
 """Router replicas on several machines: each announces its in-flight load to the others over ZMQ.
 
 Every replica consumes the engines' KV events and scrapes their ``/metrics`` itself; what the replicas
-share is only their *reservations*, the router-side counters of :class:`~kvroute.server.loadtable.LoadTable`
+share is only their *reservations*, the router-side counters of :class:`~kvroute.server.state.loadtable.LoadTable`
 (per backend: waiting, running, queued prefill tokens, KV blocks of the requests they routed and that
 have not ended). Best effort: PUB/SUB, no acknowledgements, state that expires.
 
 **Who does what.** Every process that routes (a router, or each worker of ``kvroute serve --workers
 N``) runs a :class:`PeerPublisher` over its own row of the table: a PUB socket *connected* to every
 peer's receive endpoint. It is installed as the table's ``announce`` hook, so each change of the row
-(a :class:`~kvroute.server.backends.Lease` reserving, starting, adjusting or releasing) is published
+(a :class:`~kvroute.server.state.backends.Lease` reserving, starting, adjusting or releasing) is published
 in the same synchronous step as the local reservation, and every ``refresh_s`` seconds it publishes the
 whole row (its *refresh*). Exactly one process per machine runs a :class:`PeerReceiver`: a SUB socket
 *bound* at ``--peer-bind``; it keeps each sender's load per backend and writes the sum over senders into
@@ -54,7 +54,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvroute.errors import UserError
-from kvroute.server.loadtable import LoadTable
+from kvroute.server.config import parse_peer_endpoint
+from kvroute.server.state.loadtable import LoadTable
 
 __all__ = [
     "PROTOCOL",
@@ -72,7 +73,7 @@ __all__ = [
     "resolve_peers",
 ]
 
-log = logging.getLogger("kvroute.server.peers")
+log = logging.getLogger("kvroute.server.sync.peers")
 
 PROTOCOL = b"kvp1"
 """First frame of every message: protocol name and version."""
@@ -153,20 +154,6 @@ def delta_kind(waiting: int, running: int) -> str:
 
 
 # ------------------------------------------------------------------------------------ endpoints
-
-
-def parse_peer_endpoint(text: str, dns: bool = True) -> tuple[str, str, int]:
-    """``tcp://HOST:PORT`` (or, with ``dns``, ``dns://NAME:PORT``) → (scheme, host, port); raises
-    :class:`UserError` otherwise. ``HOST`` may be ``*`` or an IPv6 address in brackets."""
-    scheme, sep, rest = text.partition("://")
-    schemes = ("tcp", "dns") if dns else ("tcp",)
-    want = " or dns://NAME:PORT" if dns else ""
-    host, colon, port = rest.rpartition(":")
-    if not sep or scheme not in schemes or not colon or not host or not port.isdigit():
-        raise UserError(f"peer endpoint {text!r}: expected tcp://HOST:PORT{want}")
-    if not 1 <= int(port) <= 65535:
-        raise UserError(f"peer endpoint {text!r}: port must be in 1..65535")
-    return scheme, host.removeprefix("[").removesuffix("]"), int(port)
 
 
 def _tcp(host: str, port: int) -> str:

@@ -5,12 +5,12 @@
   re-admit it (a connection error on a proxied request ejects at once, see the proxy).
 - Scrape: ``GET /metrics`` (restricted to the samples it reads, ``engines.SCRAPE_PATH``) of every
   active healthy backend every ``scrape_interval_s``; parsed with
-  :func:`~kvroute.server.backends.parse_vllm_metrics` into ``BackendState.scraped``. A failed scrape
+  :func:`~kvroute.server.state.backends.parse_vllm_metrics` into ``BackendState.scraped``. A failed scrape
   leaves the old value, which the load view ignores once older than ``scrape_stale_s``. The page is
   read with the backend's engine's names (``engine`` in its spec, else detected from the scrape; see
-  :mod:`kvroute.server.engines`).
+  :mod:`kvroute.server.sync.engines`).
 - Models: ``GET /v1/models`` of every active backend when it is admitted and every
-  ``models_interval_s``, into the model pools (:mod:`kvroute.server.pools`; skipped for backends whose
+  ``models_interval_s``, into the model pools (:mod:`kvroute.server.state.pools`; skipped for backends whose
   config declares their models). A failed read keeps the last list.
 """
 
@@ -22,11 +22,11 @@ import logging
 import orjson
 
 from kvroute.features.coldstart import Prefix
-from kvroute.server.backends import ACTIVE, BackendState, Lease
-from kvroute.server.engines import SCRAPE_PATH, parse_metrics
-from kvroute.server.pools import parse_model_list
-from kvroute.server.router import RouterCore
-from kvroute.server.transport import Transport, UpstreamError
+from kvroute.server.state.backends import ACTIVE, BackendState, Lease
+from kvroute.server.state.pools import parse_model_list
+from kvroute.server.state.router import RouterState
+from kvroute.server.sync.engines import SCRAPE_PATH, parse_metrics
+from kvroute.server.wire.transport import Transport, UpstreamError
 
 __all__ = ["Monitor"]
 
@@ -37,8 +37,8 @@ class Monitor:
     """Runs the loops for ``core``'s backends through ``transport``. Mutates backend health and
     scraped metrics only."""
 
-    def __init__(self, core: RouterCore, transport: Transport) -> None:
-        self.core = core
+    def __init__(self, core: RouterState, transport: Transport) -> None:
+        self.state = core
         self.transport = transport
         self.scrapes = 0
         self.scrape_failures = 0
@@ -50,11 +50,11 @@ class Monitor:
 
     def engine_of(self, index: int) -> str | None:
         """Backend ``index``'s engine kind: declared in its spec, else detected (None: not yet)."""
-        return self.core.specs[index].engine or self.engines.get(index)
+        return self.state.specs[index].engine or self.engines.get(index)
 
     async def check_health(self, backend: BackendState) -> bool:
         """One health check; updates the backend and returns whether it passed."""
-        cfg = self.core.config
+        cfg = self.state.config
         ok = False
         try:
             resp = await self.transport.send(backend.url, "GET", "/health", timeout_s=cfg.health_timeout_s)
@@ -72,7 +72,7 @@ class Monitor:
         if ok:
             if backend.check_passed(cfg.readmit_after):
                 log.warning("admitted backend %s", backend.url)
-                self.core.backend_reset(backend.index)  # cold start: it restarted (or joined)
+                self.state.backend_reset(backend.index)  # cold start: it restarted (or joined)
                 await self.read_models(backend)  # it may serve other models than before
         elif backend.check_failed(cfg.eject_after):
             log.warning("ejected backend %s after %d failed health checks", backend.url, backend.failures)
@@ -80,7 +80,7 @@ class Monitor:
 
     async def scrape(self, backend: BackendState, path: str = SCRAPE_PATH) -> None:
         """One /metrics scrape of ``backend`` (``path``: the filtered page by default)."""
-        cfg = self.core.config
+        cfg = self.state.config
         try:
             resp = await self.transport.send(backend.url, "GET", path, timeout_s=cfg.health_timeout_s)
             try:
@@ -95,7 +95,7 @@ class Monitor:
             return
         self.scrapes += 1
         if ok:
-            core = self.core
+            core = self.state
             engine = self.engine_of(backend.index)
             parsed, seen = parse_metrics(text, core.clock(), engine, core.config.block_size)
             if parsed is not None:
@@ -107,7 +107,7 @@ class Monitor:
     async def read_models(self, backend: BackendState) -> bool:
         """Read ``backend``'s ``/v1/models`` into the model pools (not when its config declares its
         models); True when the read succeeded."""
-        core, cfg = self.core, self.core.config
+        core, cfg = self.state, self.state.config
         spec = core.specs[backend.index]
         if spec.models or spec.lora_adapters:
             return True
@@ -133,16 +133,16 @@ class Monitor:
 
     async def models_loop(self) -> None:
         """Read every active backend's /v1/models now, then every ``models_interval_s``."""
-        interval = self.core.config.models_interval_s
+        interval = self.state.config.models_interval_s
         while True:
-            await asyncio.gather(*(self.read_models(b) for b in self.core.backends if b.state == ACTIVE))
+            await asyncio.gather(*(self.read_models(b) for b in self.state.backends if b.state == ACTIVE))
             await asyncio.sleep(interval)
 
     async def health_loop(self) -> None:
-        interval = self.core.config.health_interval_s
+        interval = self.state.config.health_interval_s
         while True:
-            await asyncio.gather(*(self.check_health(b) for b in self.core.backends if b.state == ACTIVE))
-            self.core.kv.expire(self.core.clock())
+            await asyncio.gather(*(self.check_health(b) for b in self.state.backends if b.state == ACTIVE))
+            self.state.kv.expire(self.state.clock())
             await asyncio.sleep(interval)
 
     async def preload(self, index: int, prefix: Prefix) -> bool:
@@ -150,7 +150,7 @@ class Monitor:
         the backend caches it; counted in the backend's load while it runs. True on a 2xx."""
         if prefix.tokens is None:
             return False
-        core, cfg = self.core, self.core.config
+        core, cfg = self.state, self.state.config
         backend = core.backends[index]
         if not backend.routable:
             return False
@@ -191,7 +191,7 @@ class Monitor:
     async def preload_loop(self, interval_s: float = 0.1) -> None:
         """Send the preloads queued by cold start (backend re-admitted or cache cleared)."""
         while True:
-            todo = self.core.take_preloads()
+            todo = self.state.take_preloads()
             if todo:
                 await asyncio.gather(*(self.preload(i, p) for i, p in todo))
             await asyncio.sleep(interval_s)
@@ -200,7 +200,7 @@ class Monitor:
         """Scrape every healthy backend, together, every ``scrape_interval_s``. (One schedule per
         backend, spread over the interval, was tried: the timer wake-ups cost the idle router more CPU,
         for no measurable gain.)"""
-        interval = self.core.config.scrape_interval_s
+        interval = self.state.config.scrape_interval_s
         while True:
-            await asyncio.gather(*(self.scrape(b) for b in self.core.backends if b.routable))
+            await asyncio.gather(*(self.scrape(b) for b in self.state.backends if b.routable))
             await asyncio.sleep(interval)

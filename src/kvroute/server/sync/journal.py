@@ -1,6 +1,6 @@
 """Admin changes shared by the workers of one machine (``kvroute serve --workers N``).
 
-A connection reaches one worker, so an admin call (:mod:`kvroute.server.admin`) changes that worker's
+A connection reaches one worker, so an admin call (:mod:`kvroute.server.sync.admin`) changes that worker's
 backends only. Each change is therefore also appended to a journal: an append-only file of JSON lines
 in a folder the supervisor creates (and removes), one line per change, written with one ``write`` on a
 file opened with ``O_APPEND`` (so lines from several workers never interleave). Every worker follows the

@@ -1,7 +1,7 @@
 """What the live dashboard shows, as JSON-able data, built only when the page asks
-(``GET /debug/dashboard``, see :mod:`kvroute.server.dashboard`): nothing here runs per request.
+(``GET /debug/dashboard``, see :mod:`kvroute.server.observe.dashboard`): nothing here runs per request.
 
-:func:`dashboard_state` extends :func:`kvroute.server.decisions.router_state` (policy, counters,
+:func:`dashboard_state` extends :func:`kvroute.server.observe.decisions.router_state` (policy, counters,
 each backend's load, queued prefill, health and KV view mode, the latest decisions) with::
 
     "time": Unix seconds,
@@ -39,12 +39,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvroute.features.hotspot import HotspotDetector
 from kvroute.features.monitor import ScoreMonitor
-from kvroute.server.decisions import router_state
-from kvroute.server.exporter import OUTCOMES
-from kvroute.server.persecond import PerSecond
+from kvroute.server.observe.decisions import router_state
+from kvroute.server.observe.exporter import OUTCOMES
+from kvroute.server.observe.persecond import PerSecond
 
 if TYPE_CHECKING:
-    from kvroute.server.observe import Observer
+    from kvroute.server.observe.observer import Observer
 
 __all__ = ["dashboard_state", "hit_rate", "hotspot_view", "rate_view", "score_view"]
 
@@ -164,7 +164,7 @@ def _backend_extras(obs: Observer, index: int, warming: bool) -> dict[str, Any]:
 def dashboard_state(obs: Observer, limit: int = 20, wall: float | None = None) -> dict[str, Any]:
     """The dashboard's JSON (module docstring) for the router ``obs`` observes, with its newest
     ``limit`` decisions; ``wall``: Unix seconds now (default ``time.time()``). Reads only."""
-    core = obs.core
+    core = obs.state
     wall = time.time() if wall is None else wall
     now = core.clock()
     state = router_state(core, obs.log, limit)

@@ -8,7 +8,7 @@ every writer agrees on it whatever order it learnt of the backends in.
 Rows: one per writer. A writer (one router process, or one worker of ``kvroute serve --workers N``)
 only adds to its own row, so no lock is needed on the request path; readers sum the rows
 (:meth:`LoadTable.totals`). Row ``writers`` (the last one) holds the load that other router replicas
-announced (:mod:`kvroute.server.peers`), written by the one process that receives it.
+announced (:mod:`kvroute.server.sync.peers`), written by the one process that receives it.
 
 Backing: a plain numpy array (one process), or a ``multiprocessing.shared_memory`` segment that the
 workers of one machine map (:meth:`LoadTable.create_shared` in the parent, :meth:`LoadTable.attach` in
@@ -73,7 +73,7 @@ class LoadTable:
         self._shm = owned
         self._slot_of: dict[str, int] = {}
         # This process's listener of its own row's changes (slot, waiting, running, prefill, blocks):
-        # the peer publisher (kvroute.server.peers), called in the same step as the change.
+        # the peer publisher (kvroute.server.sync.peers), called in the same step as the change.
         self.announce: Callable[[int, int, int, int, int], None] | None = None
 
     # ---- construction -------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The router's backends that come and go: sources of backends → one desired list → adds and drains.
 
 :class:`Fleet` is the server side of membership (the routing side is in
-:class:`~kvroute.server.router.RouterCore`: ``add_backend``, ``drain_backend``, ``remove_backend``):
+:class:`~kvroute.server.state.router.RouterState`: ``add_backend``, ``drain_backend``, ``remove_backend``):
 
 - **Sources**: named lists of :class:`BackendSpec`: ``"static"`` (the config's ``backends`` and the
   ``--backend`` flags; replaced on a SIGHUP reload), ``"admin"`` (added through the admin API), and one
@@ -15,7 +15,7 @@
   removed once idle.
 - **Added at runtime**: a backend starts *unhealthy* and is health-checked at once; the first good
   check admits it (``readmit_after`` of them), and admission is its cold start
-  (``RouterCore.backend_reset``: warming, preloads when the ``cold_start`` feature is on). Until then it
+  (``RouterState.backend_reset``: warming, preloads when the ``cold_start`` feature is on). Until then it
   takes no traffic. Backends of the config at start are healthy from the start, as before.
 - **Drain, then remove**: a draining backend takes no new requests; :meth:`Fleet.reap` (every
   ``REAP_INTERVAL_S`` while the loops run, and at once after a drain) removes the ones marked for
@@ -37,11 +37,11 @@ from typing import Any
 
 import zmq.asyncio
 
-from kvroute.server.backends import ACTIVE, DRAINING, BackendState
+from kvroute.prepare.events import EventSubscriber
 from kvroute.server.config import BackendSpec
-from kvroute.server.events import EventSubscriber
-from kvroute.server.monitor import Monitor
-from kvroute.server.router import RouterCore
+from kvroute.server.state.backends import ACTIVE, DRAINING, BackendState
+from kvroute.server.state.router import RouterState
+from kvroute.server.sync.monitor import Monitor
 
 __all__ = ["ADMIN", "REAP_INTERVAL_S", "STATIC", "Changes", "Fleet"]
 
@@ -80,8 +80,8 @@ class Fleet:
     """Membership of ``core``'s backends (module docstring). ``subscribers`` is the live list of KV
     event subscribers (the exporter reads it). Loops and subscribers run only after :meth:`start`."""
 
-    def __init__(self, core: RouterCore, monitor: Monitor, subscribers: list[EventSubscriber]) -> None:
-        self.core = core
+    def __init__(self, core: RouterState, monitor: Monitor, subscribers: list[EventSubscriber]) -> None:
+        self.state = core
         self.monitor = monitor
         self.subscribers = subscribers
         self.sources: dict[str, tuple[BackendSpec, ...]] = {STATIC: tuple(core.config.backends), ADMIN: ()}
@@ -98,7 +98,7 @@ class Fleet:
         """Subscribe to the KV events of every listed exact backend; from now on, added backends are
         subscribed and health-checked at once."""
         self.running = True
-        for b in self.core.live_backends():
+        for b in self.state.live_backends():
             self._subscribe(b.index)
 
     async def stop(self) -> None:
@@ -149,7 +149,7 @@ class Fleet:
 
     def reconcile(self, specs: Iterable[BackendSpec]) -> Changes:
         """Make the listed backends match ``specs`` (matched by URL; see the module docstring)."""
-        core = self.core
+        core = self.state
         want: dict[str, BackendSpec] = {}
         for s in specs:
             want.setdefault(s.url, s)
@@ -185,7 +185,7 @@ class Fleet:
     def add(self, spec: BackendSpec) -> BackendState:
         """Add ``spec`` (unhealthy until its first good health check, which runs now when the loops
         run). Raises ValueError for a URL already listed."""
-        state = self.core.add_backend(spec, healthy=False)
+        state = self.state.add_backend(spec, healthy=False)
         if self.running:
             self._subscribe(state.index)
             self._spawn(self.monitor.check_health(state))
@@ -194,23 +194,23 @@ class Fleet:
 
     def update(self, index: int, spec: BackendSpec) -> None:
         """Backend ``index`` now has ``spec``; its KV events are re-subscribed when they changed."""
-        old = self.core.specs[index]
+        old = self.state.specs[index]
         events_changed = (old.kv_events, old.kv_replay) != (spec.kv_events, spec.kv_replay)
         if events_changed:
             self._unsubscribe(index)
-        self.core.update_backend(index, spec)
+        self.state.update_backend(index, spec)
         if events_changed:
             self._subscribe(index)
 
     def drain(self, index: int, remove: bool) -> None:
         """Backend ``index`` takes no new requests; with ``remove`` it is removed once idle (at once
         if idle now), else it stays draining (held: reconcile does not reactivate it)."""
-        b = self.core.backends[index]
+        b = self.state.backends[index]
         if b.state not in (ACTIVE, DRAINING):
             return
         if b.state == ACTIVE:
             log.warning("draining backend %s (%d in flight)", b.url, b.waiting + b.running)
-        self.core.drain_backend(index)
+        self.state.drain_backend(index)
         if remove:
             self._removing.add(index)
             self._held.discard(index)
@@ -224,17 +224,17 @@ class Fleet:
         if index in self._removing:
             return False
         self._held.discard(index)
-        return self.core.reactivate_backend(index)
+        return self.state.reactivate_backend(index)
 
     def reap(self) -> list[BackendState]:
         """Remove the backends marked for removal that are idle now; returns them."""
         done = []
         for index in sorted(self._removing):
-            b = self.core.backends[index]
+            b = self.state.backends[index]
             if b.idle:
                 self._removing.discard(index)
                 self._unsubscribe(index)
-                self.core.remove_backend(index)
+                self.state.remove_backend(index)
                 log.warning("removed backend %s (drained)", b.url)
                 done.append(b)
         return done
@@ -246,12 +246,12 @@ class Fleet:
     # ---- KV event subscribers --------------------------------------------------------------------
 
     def _subscribe(self, index: int) -> None:
-        spec = self.core.specs[index]
+        spec = self.state.specs[index]
         if not self.running or spec.kv_events is None or index in self._subs:
             return
         if self._zmq is None:
             self._zmq = zmq.asyncio.Context()
-        core = self.core
+        core = self.state
         sub = EventSubscriber(self._zmq, index, spec.kv_events, spec.kv_replay, core.kv, core.clock)
         self.subscribers.append(sub)
         self._subs[index] = (sub, asyncio.create_task(sub.run()))

@@ -5,7 +5,7 @@ explanation headers, the JSON access log, shadow metrics and traces. The proxy c
 (response ended, whatever the outcome).
 
 Always on (a few µs a request, see ``benchmarks/bench_stages.py``): the request id, the decision
-record in the ring buffer (:mod:`kvroute.server.decisions`), the histograms below. Opt-in:
+record in the ring buffer (:mod:`kvroute.server.observe.decisions`), the histograms below. Opt-in:
 explanation headers (``--explain`` or the request header ``x-kvroute-explain: 1``), the access log
 (``--access-log FILE``), shadow policies (``--shadow``), traces (``--otel``).
 
@@ -56,10 +56,11 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvroute.errors import UserError
-from kvroute.routing.shadow import Shadows
-from kvroute.server.decisions import DecisionLog, DecisionRecord
-from kvroute.server.router import Plan, RouterCore
-from kvroute.server.tracing import Tracing
+from kvroute.routing.core import Decision
+from kvroute.routing.shadow import ShadowPick, Shadows
+from kvroute.server.observe.decisions import DecisionLog, DecisionRecord
+from kvroute.server.observe.tracing import Tracing
+from kvroute.server.state.router import RouterState
 
 __all__ = ["EXPLAIN_HEADER", "REQUEST_ID_HEADER", "Observer", "request_id"]
 
@@ -122,9 +123,9 @@ class Observer:
     histograms (registered on ``registry``), the access log file and the tracer; ``tracer_provider``
     replaces the one ``--otel`` would build (tests). Single event loop; :meth:`close` at shutdown."""
 
-    def __init__(self, core: RouterCore, registry: CollectorRegistry, tracer_provider: Any = None) -> None:
+    def __init__(self, core: RouterState, registry: CollectorRegistry, tracer_provider: Any = None) -> None:
         cfg = core.config
-        self.core = core
+        self.state = core
         self.explain_all = cfg.explain
         self.log = DecisionLog(cfg.decisions_kept)
         # per (backend index, policy): routing, added TTFB, TTFT, end-to-end (seconds); per backend:
@@ -145,7 +146,7 @@ class Observer:
             self._open_access(cfg.access_log)
         self._own_provider = None
         if tracer_provider is None and cfg.otel:
-            from kvroute.server.tracing import make_provider
+            from kvroute.server.observe.tracing import make_provider
 
             tracer_provider = self._own_provider = make_provider()
         self.tracing = Tracing(tracer_provider) if tracer_provider is not None else None
@@ -174,24 +175,26 @@ class Observer:
     def planned(
         self,
         rid: str,
-        plan: Plan,
+        decision: Decision,
+        shadow: tuple[ShadowPick, ...],
         path: str,
         headers: Mapping[str, str],
         arrival: float,
         routing_s: float,
     ) -> DecisionRecord:
         """A request was routed: its record (kept in the ring buffer), with its request span when
-        traced. ``arrival``: ``time.perf_counter()`` when it arrived; ``routing_s``: seconds routing."""
+        traced. ``decision``: the routing core's; ``shadow``: the shadow policies' picks for the same
+        request; ``arrival``: ``time.perf_counter()`` when it arrived; ``routing_s``: seconds routing."""
         explain = self.explain_all
         if not explain:
             flag = headers.get(EXPLAIN_HEADER)
             explain = flag is not None and flag.strip().lower() in _TRUE
-        rec = DecisionRecord(rid, plan.decision, path, arrival, routing_s, plan.shadow, explain)
+        rec = DecisionRecord(rid, decision, path, arrival, routing_s, shadow, explain)
         self.log.append(rec)
         if self.tracing is not None:
             start_ns = time.time_ns() - int((time.perf_counter() - arrival) * 1e9)
             span = self.tracing.request_span(f"POST {path}", headers, start_ns)
-            d = plan.decision
+            d = decision
             span.set_attributes(
                 {
                     "kvroute.request_id": rid,
@@ -234,7 +237,7 @@ class Observer:
             score = rec.score()
             out.update(
                 {
-                    "x-kvroute-backend": self.core.backends[b].url if b is not None else "",
+                    "x-kvroute-backend": self.state.backends[b].url if b is not None else "",
                     "x-kvroute-policy": d.policy,
                     "x-kvroute-reason": rec.reason,
                     "x-kvroute-score": "" if score is None else f"{score:.6g}",
@@ -286,7 +289,7 @@ class Observer:
             "kvroute.cached_tokens_expected": rec.expected_cached,
         }
         if b is not None:
-            attrs["kvroute.backend"] = self.core.backends[b].url
+            attrs["kvroute.backend"] = self.state.backends[b].url
             score = rec.score()
             if score is not None:
                 attrs["kvroute.score"] = score
@@ -319,7 +322,7 @@ class Observer:
             "path": rec.path,
             "status": rec.status,
             "complete": rec.complete,
-            "backend": self.core.backends[b].url if b is not None else None,
+            "backend": self.state.backends[b].url if b is not None else None,
             "policy": rec.decision.policy,
             "reason": rec.reason,
             "retries": rec.retries,
@@ -382,7 +385,7 @@ class _HistCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         obs = self.obs
-        live = {b.index: b.url for b in obs.core.live_backends()}
+        live = {b.index: b.url for b in obs.state.live_backends()}
         fams = [HistogramMetricFamily(n, doc, labels=["backend", "policy"]) for n, doc in _LATENCY]
         for (b, policy), hists in sorted(obs.latency.items()):
             url = live.get(b)

@@ -4,7 +4,7 @@ Every route needs ``Authorization: Bearer TOKEN`` (``config.admin_token``, from 
 ``KVROUTE_ADMIN_TOKEN``), compared in constant time; a missing or wrong token gets a 401 whose JSON
 error says only ``unauthorized``. Without a token the routes do not exist (404).
 
-A backend's ``id`` is :func:`~kvroute.server.loadtable.url_digest` of its URL: 12 hex digits, stable
+A backend's ``id`` is :func:`~kvroute.server.state.loadtable.url_digest` of its URL: 12 hex digits, stable
 across restarts and router replicas (the same URL has the same id everywhere). A URL removed and added
 again keeps its id; the id always names the newest backend with that URL.
 
@@ -13,7 +13,7 @@ again keeps its id; the id always names the newest backend with that URL.
 - ``GET /admin/backends/{id}``: one backend (404 when unknown).
 - ``POST /admin/backends`` with ``{"url": "http://host:port", "kv_events": "tcp://host:port"}``
   (``kv_events``, ``kv_replay``, ``tags``, ``models``, ``lora_adapters``, ``engine`` optional): 201 with the backend; it starts unhealthy and
-  takes traffic once a health check admits it (see :mod:`kvroute.server.fleet`). 400 naming the field
+  takes traffic once a health check admits it (see :mod:`kvroute.server.sync.fleet`). 400 naming the field
   for a bad body, 409 when the URL is already listed.
 - ``DELETE /admin/backends/{id}``: drains it (no new requests), then removes it once its requests in
   flight end: 202 with the backend (``state`` ``draining``, or ``removed`` when it was idle).
@@ -36,13 +36,13 @@ from urllib.parse import urlparse
 import orjson
 from aiohttp import web
 
-from kvroute.server.backends import REMOVED, BackendState
 from kvroute.server.config import BackendSpec
-from kvroute.server.fleet import ADMIN, Fleet
-from kvroute.server.journal import AdminJournal
-from kvroute.server.loadtable import url_digest
-from kvroute.server.proxy import error_response
-from kvroute.server.validate import ApiError
+from kvroute.server.state.backends import REMOVED, BackendState
+from kvroute.server.state.loadtable import url_digest
+from kvroute.server.sync.fleet import ADMIN, Fleet
+from kvroute.server.sync.journal import AdminJournal
+from kvroute.server.wire.http import error_response
+from kvroute.server.wire.validate import ApiError
 
 __all__ = ["add_admin_routes", "apply_journal_line", "backend_json", "spec_from_body"]
 
@@ -65,7 +65,7 @@ def add_admin_routes(
 
 def backend_json(fleet: Fleet, b: BackendState) -> dict[str, Any]:
     """The admin API's view of backend ``b`` (module docstring)."""
-    core = fleet.core
+    core = fleet.state
     spec = core.specs[b.index]
     waiting, running = (0, 0) if b.state == REMOVED else (b.waiting, b.running)
     return {
@@ -143,11 +143,11 @@ def _json(data: object, status: int = 200) -> web.Response:
 
 def add_backend(fleet: Fleet, spec: BackendSpec) -> BackendState:
     """Add ``spec`` as an admin backend (409 when its URL is already listed)."""
-    if fleet.core.find(spec.url) is not None:
+    if fleet.state.find(spec.url) is not None:
         raise ApiError(409, f"backend {spec.url} is already listed", "url", etype="conflict")
     fleet.sources[ADMIN] = (*fleet.sources[ADMIN], spec)
     fleet.reconcile(fleet.desired())
-    state = fleet.core.find(spec.url)
+    state = fleet.state.find(spec.url)
     assert state is not None
     return state
 
@@ -172,15 +172,15 @@ def undrain_backend(fleet: Fleet, b: BackendState) -> None:
 
 
 def apply_journal_line(fleet: Fleet, line: dict[str, Any]) -> None:
-    """Replay one change a sibling worker made (:mod:`kvroute.server.journal`); a change that no
+    """Replay one change a sibling worker made (:mod:`kvroute.server.sync.journal`); a change that no
     longer applies here (already listed, unknown URL) is skipped."""
     op, url = line.get("op"), line.get("url")
     if op == "add":
         spec = spec_from_body(orjson.dumps(line.get("spec")))
-        if fleet.core.find(spec.url) is None:
+        if fleet.state.find(spec.url) is None:
             add_backend(fleet, spec)
         return
-    b = fleet.core.find(url) if isinstance(url, str) else None
+    b = fleet.state.find(url) if isinstance(url, str) else None
     if b is None:
         return
     if op == "delete":
@@ -229,14 +229,14 @@ class _Admin:
     def _find(self, request: web.Request) -> BackendState:
         """The newest backend whose id is the path's ``{id}``; 404 when none."""
         wanted = request.match_info["id"]
-        for b in reversed(self.fleet.core.backends):
+        for b in reversed(self.fleet.state.backends):
             if url_digest(b.url) == wanted:
                 return b
         raise ApiError(404, f"no backend with id {wanted!r}", etype="not_found_error")
 
     async def list(self, request: web.Request) -> web.Response:
         every = request.query.get("all", "") in ("1", "true", "yes")
-        data = [backend_json(self.fleet, b) for b in self.fleet.core.backends if every or b.state != REMOVED]
+        data = [backend_json(self.fleet, b) for b in self.fleet.state.backends if every or b.state != REMOVED]
         return _json({"object": "list", "data": data})
 
     async def get(self, request: web.Request) -> web.Response:

@@ -23,9 +23,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvroute.server.backends import STATES
-from kvroute.server.events import EventSubscriber
-from kvroute.server.router import RouterCore
+from kvroute.prepare.events import EventSubscriber
+from kvroute.server.state.backends import STATES
+from kvroute.server.state.router import RouterState
 
 __all__ = ["OUTCOMES", "RouterCollector", "render_metrics"]
 
@@ -36,13 +36,15 @@ drain timed out, which the router ended (see ``RouterServer.shutdown``)."""
 
 
 class RouterCollector(Collector):
-    def __init__(self, core: RouterCore, subscribers: Sequence[EventSubscriber], proxy_stats: object) -> None:
-        self.core = core
+    def __init__(
+        self, core: RouterState, subscribers: Sequence[EventSubscriber], proxy_stats: object
+    ) -> None:
+        self.state = core
         self.subscribers = subscribers
         self.proxy_stats = proxy_stats
 
     def collect(self) -> Iterator[Metric]:
-        core = self.core
+        core = self.state
         c = core.counters
         req = CounterMetricFamily("kvroute_requests", "Requests by outcome", labels=["outcome"])
         for outcome in OUTCOMES:

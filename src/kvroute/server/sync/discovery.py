@@ -1,4 +1,4 @@
-"""Backend discovery: DNS names and watched files → lists of backends → :class:`~kvroute.server.fleet.Fleet`.
+"""Backend discovery: DNS names and watched files → lists of backends → :class:`~kvroute.server.sync.fleet.Fleet`.
 
 Sources (``config.discover``, ``--discover``; checked every ``config.discover_interval_s`` seconds):
 
@@ -27,7 +27,7 @@ from typing import Any
 
 from kvroute.errors import UserError
 from kvroute.server.config import BackendSpec, RouterConfig, parse_backend_url
-from kvroute.server.fleet import Fleet
+from kvroute.server.sync.fleet import Fleet
 
 __all__ = [
     "Discovery",

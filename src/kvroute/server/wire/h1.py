@@ -7,7 +7,7 @@ router needs a small part of HTTP: a pool of keep-alive connections per backend,
 in one call, the status line, the ``Content-Type`` header and the body (fixed-length, chunked or
 close-delimited) as it arrives. The response is parsed by ``httptools`` (llhttp, Node.js's parser).
 
-Behaviour (the :class:`~kvroute.server.transport.Transport` contract):
+Behaviour (the :class:`~kvroute.server.wire.transport.Transport` contract):
 
 - :class:`UpstreamConnectError` when no response head arrives: connection refused or reset, connect
   timeout (``connect_timeout_s``), or no head within ``timeout_s`` (when given; else within
@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from kvroute.server.transport import (
+from kvroute.server.wire.transport import (
     AiohttpTransport,
     Transport,
     UpstreamBrokenError,
@@ -176,7 +176,7 @@ class _Conn(asyncio.Protocol):
 
 
 class _H1Response:
-    """An :class:`~kvroute.server.transport.UpstreamResponse` over one :class:`_Conn`."""
+    """An :class:`~kvroute.server.wire.transport.UpstreamResponse` over one :class:`_Conn`."""
 
     __slots__ = ("_conn", "_done", "_pool", "_read_timeout_s", "content_type", "status")
 

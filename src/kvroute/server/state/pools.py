@@ -24,8 +24,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvroute.server.backends import BackendState
-from kvroute.server.validate import ApiError
+from kvroute.server.state.backends import BackendState
+from kvroute.server.wire.validate import ApiError
 
 __all__ = ["ModelPools", "ServedModels", "model_not_found", "parse_model_list"]
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvroute.chat_template import ChatOptions
-from kvroute.server.chainmemo import Piece
+from kvroute.prepare.chainmemo import Piece
 from kvroute.tokenizer import Tokenizer, message_text, render_message
 
 __all__ = ["SEGMENT_CHARS", "Pending", "RequestTokenizer", "split_points"]

@@ -8,7 +8,7 @@ token they do not exist, 404):
   ``GET /dashboard/static/NAME``: its script and style sheet. Public (static, no data), served with a
   strict Content-Security-Policy (scripts and requests to this origin only, no inline code) and
   ``Cache-Control: no-cache``.
-- ``GET /debug/dashboard?limit=N``: :func:`kvroute.server.dashstate.dashboard_state` (default 20
+- ``GET /debug/dashboard?limit=N``: :func:`kvroute.server.observe.dashstate.dashboard_state` (default 20
   decisions; 1 ≤ N ≤ ``decisions_kept``, else 400), behind ``Authorization: Bearer TOKEN`` (401).
 
 Authentication: the page holds no data; it asks for the admin token, keeps it in the tab's
@@ -26,9 +26,9 @@ from importlib import resources
 import orjson
 from aiohttp import web
 
-from kvroute.server.dashstate import dashboard_state
-from kvroute.server.debug import bearer_guard, request_limit
-from kvroute.server.observe import Observer
+from kvroute.server.observe.dashstate import dashboard_state
+from kvroute.server.observe.debug import bearer_guard, request_limit
+from kvroute.server.observe.observer import Observer
 
 __all__ = ["STATIC_FILES", "add_dashboard_routes"]
 
@@ -49,7 +49,7 @@ _HEADERS = {
 
 
 def _read(name: str) -> bytes:
-    return resources.files("kvroute.server").joinpath("static", name).read_bytes()
+    return resources.files("kvroute.server.observe").joinpath("static", name).read_bytes()
 
 
 def add_dashboard_routes(app: web.Application, obs: Observer, token: str) -> None:

@@ -602,6 +602,12 @@ def config_from_mapping(data: Mapping[str, Any], where: str = "config") -> Route
                 raise UserError(f"{where}: 'peers' must be a list of tcp://HOST:PORT or dns://NAME:PORT")
             kwargs["peers"] = tuple(value)
             continue
+        if key == "router_queue":
+            kwargs["router_queue"] = queue_from_mapping(value, where)
+            continue
+        if key == "engine_limits":
+            kwargs["engine_limits"] = _engine_limits(value, where)
+            continue
         if key == "shadow":  # shadow policies: a list or "a,b" (names checked by RouterConfig.validate)
             if isinstance(value, str):
                 value = value.split(",")
@@ -628,6 +634,20 @@ def config_from_mapping(data: Mapping[str, Any], where: str = "config") -> Route
         kwargs[key] = value
     kwargs.setdefault("backends", ())
     return RouterConfig(**kwargs)
+
+
+def _engine_limits(value: Any, where: str) -> tuple[int, int]:
+    """The YAML ``engine_limits: {max_num_batched_tokens: N, max_num_seqs: N}`` (each optional)."""
+    if not isinstance(value, Mapping):
+        raise UserError(f"{where}: engine_limits must be a mapping")
+    out = {"max_num_batched_tokens": 0, "max_num_seqs": 0}
+    for k, v in value.items():
+        if k not in out:
+            raise UserError(f"{where}: engine_limits: unknown key {k!r}; known: {', '.join(out)}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise UserError(f"{where}: engine_limits: {k} must be an integer >= 0, got {v!r}")
+        out[k] = v
+    return out["max_num_batched_tokens"], out["max_num_seqs"]
 
 
 def backends_from_text(text: str, where: str) -> tuple[BackendSpec, ...]:

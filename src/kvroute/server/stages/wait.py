@@ -66,6 +66,7 @@ class WaitingRoom:
         self._soon = False
         self._views: Sequence[InstanceView] = ()
         self._offering: Hashable = None  # the ticket being offered (decided in its own arrival: no wait)
+        self._fresh: tuple[Hashable, list[InstanceView]] | None = None  # views just built by decide()
         self.wait_counts = [0] * (len(WAIT_BUCKETS) + 1)
         self.wait_sum = 0.0
 
@@ -78,7 +79,8 @@ class WaitingRoom:
         state = self.state
         rr = route_request(state, req, headers, prep)
         now = state.clock()
-        candidate_views(state, req.model, now)  # 503 / 404 now, not after a wait
+        # 503 / 404 now, not after a wait; the views serve the first routing
+        self._fresh = (req.model, candidate_views(state, req.model, now))
         fut: asyncio.Future[tuple[Plan, Lease | None]] = asyncio.get_running_loop().create_future()
         ticket = Ticket(
             next(self._ids),
@@ -95,6 +97,7 @@ class WaitingRoom:
                     self._observe(r.waited_s)
         finally:
             self._offering = None
+            self._fresh = None
         self._arm()
         try:
             return await fut
@@ -118,6 +121,10 @@ class WaitingRoom:
 
     def _pool_views(self, pool: Hashable) -> list[InstanceView]:
         state = self.state
+        fresh, self._fresh = self._fresh, None
+        if fresh is not None and fresh[0] == pool:
+            self._views = fresh[1]
+            return fresh[1]
         try:
             views = candidate_views(state, pool if isinstance(pool, str) else None, state.clock())
         except ApiError:

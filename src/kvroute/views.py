@@ -25,6 +25,9 @@ class InstanceView:
     - ``kv_capacity_blocks``: size of the KV block pool, in blocks (0 if unknown).
     - ``decode_blocks``: KV blocks held by running sequences (Dynamo's active decode blocks).
     - ``tags``: free-form labels such as ``"spot"``; ``warming`` marks a cold-starting instance.
+    - ``max_batched_tokens``: the engine's chunk budget, tokens one step computes at most (vLLM's
+      ``max_num_batched_tokens``); ``max_num_seqs``: its batch limit, sequences. 0: unknown. The
+      router-side queue reads them (:func:`kvroute.routing.queue.saturated`).
     """
 
     index: int
@@ -36,6 +39,8 @@ class InstanceView:
     decode_blocks: int = 0
     tags: frozenset[str] = frozenset()
     warming: bool = False
+    max_batched_tokens: int = 0
+    max_num_seqs: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -205,3 +205,49 @@ def test_run_spec_with_features_pickles() -> None:
         scenario=SimScenario(scale_out=((3.0, 1),)),
     )
     assert pickle.loads(pickle.dumps(spec)) == spec and hash(spec) == hash(pickle.loads(pickle.dumps(spec)))
+
+
+@pytest.mark.parametrize("command", ["sim", "compare", "serve", "up"])
+def test_every_command_has_the_queue_flags(command: str) -> None:
+    sub = build_parser()._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+    flags = {s for a in sub._actions for s in a.option_strings}
+    assert {"--router-queue", "--queue-ttl", "--queue-tick"} <= flags
+    assert ("--engine-max-num-batched-tokens" in flags) == (command == "serve")
+
+
+def test_router_yaml_queue_and_engine_limits() -> None:
+    from kvroute.commands.settings import config_from_mapping
+    from kvroute.routing.queue import QueueConfig
+
+    cfg = config_from_mapping(
+        {
+            "backends": ["http://127.0.0.1:8000"],
+            "router_queue": {"ttl_s": 5, "tick_s": 0.01},
+            "engine_limits": {"max_num_batched_tokens": 8192},
+        }
+    )
+    assert cfg.router_queue == QueueConfig(ttl_s=5.0, tick_s=0.01) and cfg.engine_limits == (8192, 0)
+    assert config_from_mapping({"backends": [], "router_queue": True}).router_queue == QueueConfig()
+    assert config_from_mapping({"backends": [], "router_queue": False}).router_queue is None
+    for bad, needle in (
+        ({"router_queue": "yes"}, "router_queue must be true, false or a mapping"),
+        ({"router_queue": {"ttl": 3}}, "unknown key 'ttl'"),
+        ({"engine_limits": {"max_num_seqs": -1}}, "max_num_seqs must be an integer >= 0"),
+        ({"engine_limits": {"seqs": 4}}, "unknown key 'seqs'"),
+    ):
+        with pytest.raises(UserError, match=needle):
+            config_from_mapping({"backends": [], **bad}, "r.yaml")
+
+
+def test_serve_queue_flags_over_the_file() -> None:
+    from kvroute.commands.serve import with_feature_flags
+    from kvroute.routing.queue import QueueConfig
+    from kvroute.server.config import RouterConfig
+
+    sub = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    args = sub.parse_args(["--queue-tick", "0.02", "--engine-max-num-seqs", "64"])
+    base = RouterConfig(backends=(), router_queue=QueueConfig(ttl_s=9.0), engine_limits=(4096, 256))
+    cfg = with_feature_flags(base, args)
+    assert cfg.router_queue == QueueConfig(ttl_s=9.0, tick_s=0.02) and cfg.engine_limits == (4096, 64)
+    off = with_feature_flags(RouterConfig(backends=()), sub.parse_args([]))
+    assert off.router_queue is None

@@ -31,7 +31,7 @@ def serve_app() -> Iterator[Callable[..., Any]]:
     """Start Ray; yield ``deploy(replicas, **engine_kwargs) -> handle``; shut everything down."""
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
 
-    def deploy(replicas: int, **kwargs: Any) -> Any:
+    def deploy(replicas: int, router_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> Any:
         dep = serve.deployment(
             EmulatedEngine,
             name="engine",
@@ -39,7 +39,7 @@ def serve_app() -> Iterator[Callable[..., Any]]:
             ray_actor_options={"num_cpus": 0},
             request_router_config=RequestRouterConfig(
                 request_router_class=KVRouteRequestRouter,
-                request_router_kwargs={"policy": "lmetric", "sync_interval_s": 0.05},
+                request_router_kwargs={"policy": "lmetric", "sync_interval_s": 0.05, **(router_kwargs or {})},
                 request_routing_stats_period_s=0.2,
             ),
         )
@@ -174,3 +174,30 @@ async def run_many(handle: Any) -> list[dict[str, Any]]:
             *(ask(handle, [{"role": "user", "content": f"topic {i} " * 100}]) for i in range(6))
         )
     )
+
+
+def test_router_queue_holds_requests_while_the_replica_is_saturated(serve_app: Callable[..., Any]) -> None:
+    """One replica with a 64-token chunk budget: a request of ~400 new prompt tokens saturates it,
+    so the next ones wait in the router's queue and go out as requests complete; none is lost and
+    the queue's counters are back to zero."""
+    handle = serve_app(1, router_kwargs={"router_queue": {"ttl_s": 60}}, max_num_batched_tokens=64)
+    asyncio.run(ask(handle, [{"role": "user", "content": "warm up"}]))
+    router = router_of(handle)
+    assert router.queue is not None
+    wait_for(
+        lambda: any("max_num_batched_tokens" in (r.routing_stats or {}) for r in router._by_rid.values())
+    )
+    wait_for(lambda: len(router.inflight) == 0)
+
+    async def run() -> list[dict[str, Any]]:
+        asks = [
+            ask(handle, [{"role": "user", "content": f"request {k} " + "word " * 400}], 4) for k in range(4)
+        ]
+        return list(await asyncio.gather(*asks))
+
+    outs = asyncio.run(run())
+    assert len(outs) == 4 and all(o["usage"]["completion_tokens"] == 4 for o in outs)
+    q = router.queue
+    assert q.enqueued > 0 and q.dispatched == q.enqueued and q.expired == q.cancelled == 0
+    assert len(q) == 0 and q.depth == {}
+    wait_for(lambda: len(router.inflight) == 0)

@@ -3,6 +3,7 @@ search on a fake run function, the paper preset's orchestration and report on a 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -456,3 +457,32 @@ def test_best_lambda_prefers_lowest_mean_ttft_then_smaller() -> None:
     assert best_lambda(runs, [0.1, 0.5, 0.9]) == 0.5
     runs[1]["ttft_ms"]["mean"] = float("nan")
     assert best_lambda(runs, [0.1, 0.5, 0.9]) == 0.9
+
+
+def test_queue_arms_run_with_the_router_queue_and_stay_out_of_the_staleness_study() -> None:
+    from kvroute.sim.compare import (
+        PAPER_ARMS,
+        PAPER_POLICIES,
+        ROUTER_QUEUE,
+        arm_changes,
+        has_queue,
+        split_arm,
+    )
+
+    assert set(PAPER_ARMS) == {*PAPER_POLICIES, *(p + ROUTER_QUEUE for p in PAPER_POLICIES)}
+    assert split_arm("vllm (prefix caching off) +queue") == ("vllm", False) and has_queue("vllm +queue")
+    assert (
+        arm_changes("lmetric +queue")["router_queue"] is not None
+        and arm_changes("lmetric")["router_queue"] is None
+    )
+    fake = FakeRunner()
+    plan = dataclasses.replace(
+        small_plan(), policies=("vllm", "lmetric", "lmetric" + ROUTER_QUEUE), lambdas=()
+    )
+    res = run_paper(plan, fake)
+    queued = [s for s in fake.specs if s.router_queue is not None]
+    assert queued and all(s.policy == "lmetric" for s in queued)
+    w1 = res["workloads"][0]
+    assert {r["policy"] for r in w1["runs"]} == {"vllm", "lmetric", "lmetric +queue"}
+    assert {c["policy"] for c in w1["capacity"]} == {"vllm", "lmetric", "lmetric +queue"}
+    assert all(not has_queue(r["policy"]) for r in res["staleness"]["runs"])

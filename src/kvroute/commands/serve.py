@@ -52,6 +52,20 @@ def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> N
     """Flags shared by `serve` and `up`."""
     if backends:
         p.add_argument(
+            "--engine-max-num-batched-tokens",
+            type=int,
+            default=None,
+            metavar="N",
+            help="the engines' chunk budget (vLLM's --max-num-batched-tokens), for --router-queue",
+        )
+        p.add_argument(
+            "--engine-max-num-seqs",
+            type=int,
+            default=None,
+            metavar="N",
+            help="the engines' batch limit (vLLM's --max-num-seqs), for --router-queue",
+        )
+        p.add_argument(
             "--backend",
             action="append",
             default=[],
@@ -292,10 +306,24 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 def with_feature_flags(cfg: RouterConfig, args: argparse.Namespace) -> RouterConfig:
     """``cfg`` with the feature flags applied; fails early on a bad policy or feature combination."""
-    from kvroute.commands.settings import features_from_args
+    from kvroute.commands.settings import features_from_args, queue_from_args
     from kvroute.routing.guarded import Guarded
 
-    cfg = dataclasses.replace(cfg, features=features_from_args(args, cfg.features))
+    cfg = dataclasses.replace(
+        cfg,
+        features=features_from_args(args, cfg.features),
+        router_queue=queue_from_args(args, cfg.router_queue),
+    )
+    tokens, seqs = cfg.engine_limits
+    for flag, value in (
+        ("--engine-max-num-batched-tokens", getattr(args, "engine_max_num_batched_tokens", None)),
+        ("--engine-max-num-seqs", getattr(args, "engine_max_num_seqs", None)),
+    ):
+        if value is not None and value < 0:
+            raise UserError(f"{flag} must be >= 0 (got {value})")
+    tokens = getattr(args, "engine_max_num_batched_tokens", None) or tokens
+    seqs = getattr(args, "engine_max_num_seqs", None) or seqs
+    cfg = dataclasses.replace(cfg, engine_limits=(tokens, seqs))
     policy = make_policy(cfg.policy)  # fail early on an unknown policy name
     if cfg.features is not None and cfg.features.any:
         Guarded(policy, cfg.features)  # e.g. classes need lmetric

@@ -20,6 +20,10 @@ Feature flags (every flag defaults to off; a feature's sub-flags only matter whi
   ``hotspot.top_k=3`` (the YAML key names and types);
 - simulation only (`sim`, `compare`): ``--scale-out T:N``, ``--spot-instances N``, ``--by-class``.
 
+The router-side queue (:mod:`kvroute.routing.queue`; off by default): ``--router-queue``
+[``--queue-ttl S``, ``--queue-tick S``]; in YAML the top-level key ``router_queue: true`` or
+``router_queue: {ttl_s: 30, tick_s: 0.01}``.
+
 With a config file (`serve`, `up`), a feature's on-flag replaces that feature's section of the file;
 the limits flags change only the limit they name.
 
@@ -55,6 +59,7 @@ from kvroute.features.classes import ClassConfig
 from kvroute.features.limits import QuotaConfig
 from kvroute.features.mapping import FEATURES, default_of, features_from_mapping, typed
 from kvroute.features.settings import FeatureConfig
+from kvroute.routing.queue import QueueConfig, queue_from_mapping
 from kvroute.server.config import BackendSpec, RouterConfig, parse_backend_url
 from kvroute.sim.runner import RunSpec, SimScenario
 
@@ -69,6 +74,9 @@ __all__ = [
     "parse_class_weight",
     "parse_quota",
     "parse_scale_out",
+    "queue_flags",
+    "queue_from_args",
+    "queue_from_mapping",
     "scenario_flags",
     "scenario_from_args",
     "sim_command",
@@ -245,6 +253,26 @@ def add_feature_arguments(p: argparse.ArgumentParser, simulation: bool = False) 
         default=[],
         metavar="FEATURE.FIELD=VALUE",
         help="any other setting of a feature that is on, by its YAML name, e.g. hotspot.top_k=3",
+    )
+    q = p.add_argument_group("router-side queue (off by default; also the config's 'router_queue')")
+    q.add_argument(
+        "--router-queue",
+        action="store_true",
+        help="late binding: a request whose chosen instance is saturated waits at the router",
+    )
+    q.add_argument(
+        "--queue-ttl",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"longest wait at the router, seconds ({QueueConfig().ttl_s:g}); then 503 with Retry-After",
+    )
+    q.add_argument(
+        "--queue-tick",
+        type=float,
+        default=None,
+        metavar="S",
+        help="decide queued requests together every S seconds (0: each at once; design §3.1: 0.01)",
     )
     if simulation:
         s = p.add_argument_group("simulated cluster")
@@ -423,6 +451,37 @@ def feature_flags(features: FeatureConfig, *, seq_capacity: int | None = None) -
 # ------------------------------------------------------------------------------ simulated cluster
 
 
+def queue_from_args(args: argparse.Namespace, base: QueueConfig | None = None) -> QueueConfig | None:
+    """The router-side queue from the flags over ``base`` (the config file's): on with
+    ``--router-queue`` or a ``base``; ``--queue-ttl`` / ``--queue-tick`` set its fields (UserError
+    for bad values, or for either without the queue on)."""
+    ttl, tick = getattr(args, "queue_ttl", None), getattr(args, "queue_tick", None)
+    on = getattr(args, "router_queue", False) or base is not None
+    if not on:
+        if ttl is not None or tick is not None:
+            raise UserError("--queue-ttl and --queue-tick need --router-queue")
+        return None
+    q = base if base is not None else QueueConfig()
+    if ttl is not None:
+        q = dataclasses.replace(q, ttl_s=ttl)
+    if tick is not None:
+        q = dataclasses.replace(q, tick_s=tick)
+    return q.check()
+
+
+def queue_flags(queue: QueueConfig | None) -> list[str]:
+    """The flags that reproduce ``queue`` (none when off)."""
+    if queue is None:
+        return []
+    parts = ["--router-queue"]
+    default = QueueConfig()
+    if queue.ttl_s != default.ttl_s:
+        parts.append(f"--queue-ttl {_num(queue.ttl_s)}")
+    if queue.tick_s != default.tick_s:
+        parts.append(f"--queue-tick {_num(queue.tick_s)}")
+    return parts
+
+
 def scenario_from_args(args: argparse.Namespace) -> SimScenario:
     """The simulator-only settings (absent flags → defaults)."""
     return SimScenario(
@@ -478,6 +537,7 @@ def sim_command(spec: RunSpec) -> str:
     parts += scenario_flags(spec.scenario)
     if spec.shadow:
         parts.append(f"--shadow {','.join(spec.shadow)}")
+    parts += queue_flags(spec.router_queue)
     return " ".join(parts)
 
 
@@ -545,6 +605,12 @@ def config_from_mapping(data: Mapping[str, Any], where: str = "config") -> Route
                 raise UserError(f"{where}: 'peers' must be a list of tcp://HOST:PORT or dns://NAME:PORT")
             kwargs["peers"] = tuple(value)
             continue
+        if key == "router_queue":
+            kwargs["router_queue"] = queue_from_mapping(value, where)
+            continue
+        if key == "engine_limits":
+            kwargs["engine_limits"] = _engine_limits(value, where)
+            continue
         if key == "shadow":  # shadow policies: a list or "a,b" (names checked by RouterConfig.validate)
             if isinstance(value, str):
                 value = value.split(",")
@@ -571,6 +637,20 @@ def config_from_mapping(data: Mapping[str, Any], where: str = "config") -> Route
         kwargs[key] = value
     kwargs.setdefault("backends", ())
     return RouterConfig(**kwargs)
+
+
+def _engine_limits(value: Any, where: str) -> tuple[int, int]:
+    """The YAML ``engine_limits: {max_num_batched_tokens: N, max_num_seqs: N}`` (each optional)."""
+    if not isinstance(value, Mapping):
+        raise UserError(f"{where}: engine_limits must be a mapping")
+    out = {"max_num_batched_tokens": 0, "max_num_seqs": 0}
+    for k, v in value.items():
+        if k not in out:
+            raise UserError(f"{where}: engine_limits: unknown key {k!r}; known: {', '.join(out)}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise UserError(f"{where}: engine_limits: {k} must be an integer >= 0, got {v!r}")
+        out[k] = v
+    return out["max_num_batched_tokens"], out["max_num_seqs"]
 
 
 def backends_from_text(text: str, where: str) -> tuple[BackendSpec, ...]:

@@ -70,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def spec_from_args(args: argparse.Namespace, policy: str, rate_scale: float | None = None) -> Any:
-    from kvroute.commands.settings import features_from_args, scenario_from_args
+    from kvroute.commands.settings import features_from_args, queue_from_args, scenario_from_args
     from kvroute.routing.shadow import parse_shadow_names
     from kvroute.sim.runner import RunSpec
 
@@ -98,6 +98,7 @@ def spec_from_args(args: argparse.Namespace, policy: str, rate_scale: float | No
         features=features_from_args(args, seq_capacity=args.max_num_seqs),
         scenario=scenario_from_args(args),
         shadow=parse_shadow_names(args.shadow) if getattr(args, "shadow", None) else (),
+        router_queue=queue_from_args(args),
     )
 
 

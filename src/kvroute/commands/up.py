@@ -48,6 +48,7 @@ def engine_args(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvroute.engine.types import EngineConfig
     from kvroute.server.app import RouterServer
     from kvroute.server.cluster import EngineCluster
     from kvroute.server.config import RouterConfig
@@ -67,7 +68,12 @@ def run(args: argparse.Namespace) -> int:
             # the dashboard and /debug need the admin token: a random one unless one was given
             made = "admin_token" not in given
             token = given.setdefault("admin_token", secrets.token_urlsafe(16))
-            cfg = dataclasses.replace(RouterConfig(backends=backends), **given).validate()
+            # the emulated engines run with the engine model's default limits: the queue reads them
+            ecfg = EngineConfig()
+            limits = (ecfg.max_num_batched_tokens, ecfg.max_num_seqs)
+            cfg = dataclasses.replace(
+                RouterConfig(backends=backends, engine_limits=limits), **given
+            ).validate()
             cfg = with_feature_flags(cfg, args)
             server = RouterServer(cfg)
             try:

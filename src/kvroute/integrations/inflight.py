@@ -44,6 +44,8 @@ STAT_KEYS = (
     "kv_events_endpoint",
     "kv_events_replay_endpoint",
     "usage",
+    "max_num_batched_tokens",
+    "max_num_seqs",
 )
 """The keys of a replica's ``record_routing_stats`` dict this adapter reads (all optional)."""
 
@@ -153,5 +155,13 @@ def instance_view(
             queued_prefill_tokens=queued,
             kv_usage=min(1.0, max(0.0, float(usage))) if isinstance(usage, int | float) else 0.0,
             kv_capacity_blocks=_int(stats, "kv_capacity_blocks"),
+            max_batched_tokens=_int(stats, "max_num_batched_tokens"),
+            max_num_seqs=_int(stats, "max_num_seqs"),
         )
-    return InstanceView(index=index, waiting=len(inflight), queued_prefill_tokens=sum(p for _, p in inflight))
+    return InstanceView(
+        index=index,
+        waiting=len(inflight),
+        queued_prefill_tokens=sum(p for _, p in inflight),
+        max_batched_tokens=_int(stats, "max_num_batched_tokens"),
+        max_num_seqs=_int(stats, "max_num_seqs"),
+    )

@@ -170,6 +170,8 @@ class EmulatedEngine:
             "queued_prefill_tokens": load.queued_prefill_tokens,
             "kv_usage": load.kv_usage,
             "kv_capacity_blocks": load.kv_capacity_blocks,
+            "max_num_batched_tokens": self.model.config.max_num_batched_tokens,
+            "max_num_seqs": self.model.config.max_num_seqs,
             "time": time.time(),
             "usage": list(self._usage),
             "served": self.served,

@@ -52,6 +52,20 @@ How it follows Ray's own routers (``PowerOfTwoChoicesRequestRouter``, Ray Serve 
 
 A quota refusal (feature ``quota``) cannot be returned by a Ray router (it has no "refuse"); the
 request then goes by Ray's queue lengths alone. Put quotas in the ingress.
+
+**The router-side queue** (``router_queue``: ``true`` or ``{ttl_s, tick_s}``; off by default;
+:mod:`kvroute.routing.queue`): :meth:`choose_replicas` is a coroutine, so a request whose chosen
+replica is saturated waits in it, in the same :class:`~kvroute.routing.queue.RouterQueue` the live
+router and the simulator use, and is routed again from fresh views when a request completes, when a
+replica's stats change and every ``sync_interval_s``. Saturation needs the replica's limits in its
+stats (``max_num_batched_tokens``, ``max_num_seqs``; :mod:`kvroute.integrations.ray_engine` reports
+them); a replica without them is never saturated. What Ray does not allow: a router cannot answer a
+request, so a request past the TTL is not answered 503 but handed back to Ray's own queue-length
+order (counted in ``queue.expired``); priority bands and fair share apply among the requests waiting
+in this router process only, and the replicas' stats are only as fresh as
+``request_routing_stats_period_s`` (plus this router's own reservations). A caller that goes away
+while its request waits cancels the routing coroutine: the request leaves the queue, counted in
+``queue.cancelled``.
 """
 
 from __future__ import annotations
@@ -62,20 +76,23 @@ import logging
 import random
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import ray
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
+from kvroute.features.classes import ClassConfig
 from kvroute.integrations.inflight import InFlight, instance_view
 from kvroute.integrations.prompts import PromptChains, body_of
 from kvroute.integrations.ray_state import Load, Routed, SharedRoutingState
 from kvroute.prepare.tokenize import RequestTokenizer
 from kvroute.routing.core import Decision, RouteRequest, RoutingCore, build_policy
 from kvroute.routing.kvview import KVView
+from kvroute.routing.queue import RouterQueue, Ticket, band_of, queue_from_mapping
 from kvroute.tokenizer import load_tokenizer
+from kvroute.views import InstanceView
 
 __all__ = ["STATE_ACTOR_NAME", "KVRouteRequestRouter", "state_actor"]
 
@@ -124,6 +141,7 @@ class KVRouteRequestRouter(RequestRouter):
         share_state: bool = True,
         seed: int = 0,
         state: Any = None,
+        router_queue: Any = None,
     ) -> None:
         """Build the core from ``request_router_kwargs`` (module docstring); ``state``: a shared-state
         actor handle to use instead of the deployment's (tests). Raises UserError for a bad policy,
@@ -133,6 +151,11 @@ class KVRouteRequestRouter(RequestRouter):
         feats = features_from_mapping(features, "request_router_kwargs") if features else None
         kv = KVView(0, block_size, approx_capacity_blocks, approx_ttl_s, kv_recovery_s)
         self.core = RoutingCore(build_policy(policy, feats, random.Random(seed)), kv)
+        qcfg = queue_from_mapping(router_queue, "request_router_kwargs")
+        self.queue = RouterQueue(qcfg) if qcfg is not None else None
+        classes = feats.classes if feats is not None else None
+        self._band_weights = (classes if classes is not None else ClassConfig()).weight_map
+        self._by_rid: dict[str, RunningReplica] = {}  # full replica id → the latest RunningReplica
         self.prompts = PromptChains(RequestTokenizer(load_tokenizer(tokenizer)), block_size)
         self.inflight = InFlight(reservation_ttl_s)
         self.sync_interval_s = sync_interval_s
@@ -170,31 +193,109 @@ class KVRouteRequestRouter(RequestRouter):
         if pending_request is not None:
             req = self.prompts.route_request(body_of(pending_request.args, pending_request.kwargs))
         by_index: dict[int, RunningReplica] = {}
-        views = []
-        mine = self.inflight.load()
-        done = self.inflight.completed()
         for r in candidate_replicas:
             rid = r.replica_id.to_full_id_str()
             idx = self._index_of(rid)
-            stats = r.routing_stats or {}
-            self._read_stats(rid, idx, stats, now)
+            self._read_stats(rid, idx, r.routing_stats or {}, now)
             by_index[idx] = r
-            load = mine.get(rid, []) + self._others.get(rid, [])
-            views.append(instance_view(idx, stats, load, done.get(rid, [])))
-        decision = self.core.route(req, views, now)
-        self.decisions += 1
-        self.last_decision = decision
+            self._by_rid[rid] = r
+        pool = tuple(r.replica_id.to_full_id_str() for r in candidate_replicas)
+        if self.queue is not None and pending_request is not None:
+            decision = await self._queued(req, pending_request, pool, now)
+            if decision is None:  # waited past the TTL: Ray's own order (module docstring)
+                return [candidate_replicas]
+        else:
+            decision = self.core.route(req, self._views(pool), now)
+            self._decided(decision, req, pending_request, now)
         if decision.instance is None:  # quota refusal: Ray cannot refuse here (module docstring)
             return [candidate_replicas]
-        order = [by_index[i] for i in decision.order]
-        if pending_request is not None:
-            key = pending_request.metadata.internal_request_id
-            first = decision.order[0]
-            self.inflight.reserve(key, order[0].replica_id.to_full_id_str(), decision.new_prefill(first), now)
-            self._chosen[key] = (req, decision)
-            if not self._use_replica_queue_len_cache:  # Ray calls no on_request_routed then
-                self._record_routed(pending_request, order[0].replica_id, now)
+        order = [by_index[i] for i in decision.order if i in by_index]
         return [[r] for r in order]
+
+    def _views(self, pool: Hashable) -> list[InstanceView]:
+        """The views of the replicas ``pool`` (a tuple of full ids) now: their stats plus the
+        in-flight load."""
+        assert isinstance(pool, tuple)
+        mine = self.inflight.load()
+        done = self.inflight.completed()
+        views = []
+        for rid in pool:
+            r = self._by_rid.get(rid)
+            idx = self._index.get(rid)
+            if r is None or idx is None:
+                continue  # left since
+            load = mine.get(rid, []) + self._others.get(rid, [])
+            views.append(instance_view(idx, r.routing_stats or {}, load, done.get(rid, [])))
+        return views
+
+    def _decided(self, decision: Decision, req: RouteRequest, pr: PendingRequest | None, now: float) -> None:
+        """Count ``decision`` and reserve its first choice for ``pr``."""
+        self.decisions += 1
+        self.last_decision = decision
+        if decision.instance is None or pr is None:
+            return
+        key = pr.metadata.internal_request_id
+        rid = self._rid_of(decision.instance)
+        if rid is None:
+            return
+        self.inflight.reserve(key, rid, decision.new_prefill(decision.instance), now)
+        self._chosen[key] = (req, decision)
+        if not self._use_replica_queue_len_cache:  # Ray calls no on_request_routed then
+            self._record_routed(pr, self._by_rid[rid].replica_id, now)
+
+    def _rid_of(self, idx: int) -> str | None:
+        for rid, i in self._index.items():
+            if i == idx:
+                return rid
+        return None
+
+    # ---- the router-side queue -----------------------------------------------------------------
+
+    async def _queued(
+        self, req: RouteRequest, pr: PendingRequest, pool: tuple[str, ...], now: float
+    ) -> Decision | None:
+        """Route ``pr`` through the queue: its decision once its choice can take it (at once if it
+        can now), or None past the TTL. Cancelled (the caller went away): it leaves the queue."""
+        q = self.queue
+        assert q is not None
+        fut: asyncio.Future[Decision | None] = asyncio.get_running_loop().create_future()
+        key = pr.metadata.internal_request_id
+        ticket = Ticket(
+            key,
+            band_of(req.req_class, self._band_weights),
+            req.user or "-",
+            req.prompt_tokens + req.max_tokens,
+            pool,
+            (req, pr, fut),
+        )
+        q.offer(ticket, now, self._views, self._route_ticket, self._commit)
+        try:
+            return await fut
+        finally:
+            if not fut.done():
+                q.cancel(key)
+
+    def _route_ticket(self, ticket: Ticket, views: Sequence[InstanceView], first: bool) -> Decision:
+        return self.core.route(ticket.payload[0], views, self._get_curr_time_s(), charge=first)
+
+    def _commit(self, ticket: Ticket, decision: Decision) -> None:
+        req, pr, fut = ticket.payload
+        if fut.done():
+            return
+        self._decided(decision, req, pr, self._get_curr_time_s())
+        fut.set_result(decision)
+
+    def _drain(self) -> None:
+        """Drop expired requests (handed back to Ray's order), route what can go now."""
+        q = self.queue
+        if q is None or not len(q):
+            return
+        now = self._get_curr_time_s()
+        for r in q.expire(now):
+            fut = r.ticket.payload[2]
+            if not fut.done():
+                fut.set_result(None)
+        q.drain(now, self._views, self._route_ticket, self._commit)
 
     # ---- Ray's hooks ---------------------------------------------------------------------------
 
@@ -208,6 +309,7 @@ class KVRouteRequestRouter(RequestRouter):
         """The request ended (success, error or rejection): it no longer counts as load."""
         self.inflight.release(internal_request_id, self._get_curr_time_s())
         self._chosen.pop(internal_request_id, None)
+        self._drain()
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         """Drop the replica from the candidates, the KV view and the load."""
@@ -234,6 +336,7 @@ class KVRouteRequestRouter(RequestRouter):
         if idx is not None:
             self.core.kv.remove_backend(idx)
         self.inflight.drop_replica(rid)
+        self._by_rid.pop(rid, None)
         self._others.pop(rid, None)
         self._stats_seen.pop(rid, None)
         task = self._subscribers.pop(rid, None)
@@ -309,6 +412,7 @@ class KVRouteRequestRouter(RequestRouter):
                 self.inflight.expire(now)
                 if self._state is not None:
                     await self._sync_once()
+                self._drain()
                 await asyncio.sleep(self.sync_interval_s)
         finally:
             self._close_subscribers()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvroute.features.settings import FeatureConfig
@@ -36,9 +36,10 @@ from kvroute.views import Choice, InstanceView, RequestView
 
 __all__ = ["REASONS", "Candidate", "Decision", "RouteRequest", "RoutingCore", "build_policy", "with_features"]
 
-REASONS = ("policy", "hotspot", "cold_start_cap", "limits", "quota")
+REASONS = ("policy", "hotspot", "cold_start_cap", "limits", "quota", "queue_ttl")
 """Why the chosen instance won: the policy's score, hot-spot mitigation, the BS cap of warming
-instances or a limit (P-token cap, spot exclusion) narrowing the candidates, or a quota refusal."""
+instances or a limit (P-token cap, spot exclusion) narrowing the candidates; or why none did: a quota
+refusal, or a wait in the router-side queue past its TTL (:mod:`kvroute.routing.queue`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +88,8 @@ class Decision:
       ``lower_is_better``: the direction of ``scores``.
     - ``prompt_tokens``; ``retry_after_s``: with ``reason == "quota"``, seconds until it would pass.
     - ``choice``: the policy's raw :class:`~kvroute.views.Choice` (its ``detail`` names its own terms).
+    - ``queued_s``: seconds the request waited in the router-side queue before this decision went
+      out (0: it never waited); with ``reason == "queue_ttl"`` the wait that expired.
     """
 
     instance: int | None
@@ -101,6 +104,7 @@ class Decision:
     lower_is_better: bool = True
     retry_after_s: float = 0.0
     choice: Choice | None = None
+    queued_s: float = 0.0
 
     @property
     def order(self) -> tuple[int, ...]:
@@ -144,6 +148,7 @@ class Decision:
             "policy": self.policy,
             "prompt_tokens": self.prompt_tokens,
             "order": list(self.order),
+            **({"queued_s": round(self.queued_s, 6)} if self.queued_s else {}),
             "candidates": [
                 {
                     "instance": c.instance,
@@ -185,16 +190,20 @@ class RoutingCore:
     def name(self) -> str:
         return self.policy.name
 
-    def route(self, req: RouteRequest, views: Sequence[InstanceView], now: float) -> Decision:
+    def route(
+        self, req: RouteRequest, views: Sequence[InstanceView], now: float, charge: bool = True
+    ) -> Decision:
         """Decide where ``req`` goes among ``views`` (non-empty; their ``index`` is the KV view's
         backend id) at ``now`` (seconds). Mutates the features' and policy's state, not the KV view
-        (the driver records where the request went with :meth:`KVView.on_routed`)."""
+        (the driver records where the request went with :meth:`KVView.on_routed`). ``charge``
+        False: the request's quota was charged by an earlier call (the router-side queue routes a
+        waiting request again; :mod:`kvroute.routing.queue`)."""
         guard = self.guard
         bs = self.block_size
         prompt = req.prompt_tokens
         key = 0
         if guard is not None:
-            wait = guard.quota_wait(req.quota_key, prompt + req.max_tokens, now)
+            wait = guard.quota_wait(req.quota_key, prompt + req.max_tokens, now) if charge else 0.0
             if wait:
                 return self._refused(req, views, wait)
             key = guard.note(req.chain, bs, now, req.token_ids, req.model)
@@ -227,6 +236,13 @@ class RoutingCore:
             lower_is_better=choice.lower_is_better,
             choice=choice,
         )
+
+    def expired(
+        self, req: RouteRequest, views: Sequence[InstanceView], waited_s: float, retry_s: float
+    ) -> Decision:
+        """The decision record of ``req`` dropped from the router-side queue after ``waited_s``
+        seconds (reason ``queue_ttl``; ``retry_after_s`` = ``retry_s``)."""
+        return replace(self._refused(req, views, retry_s), reason="queue_ttl", queued_s=waited_s)
 
     def _refused(self, req: RouteRequest, views: Sequence[InstanceView], wait: float) -> Decision:
         n = len(views)

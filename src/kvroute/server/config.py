@@ -37,6 +37,8 @@ The command-line flags and the YAML file that build it are read by :mod:`kvroute
     record: null                              # the routed traffic as a replayable trace (kvroute sim --trace)
     shadow: [vllm, round-robin]               # shadow policies, computed beside the real one
     otel: false                               # OpenTelemetry traces (the otel extra)
+    router_queue: {ttl_s: 30, tick_s: 0}      # the router-side queue (or true); off by default
+    engine_limits: {max_num_batched_tokens: 8192, max_num_seqs: 256}  # the engines', for the queue
     ...                                       # any other RouterConfig field by name
 
 A backend mapping may carry ``tags: [spot]`` (spot instances, see ``features.limits``), ``models:
@@ -52,6 +54,7 @@ from urllib.parse import urlparse
 
 from kvroute.errors import UserError
 from kvroute.features.settings import FeatureConfig
+from kvroute.routing.queue import QueueConfig
 
 __all__ = ["BackendSpec", "RouterConfig", "parse_backend_url", "parse_peer_endpoint"]
 
@@ -180,9 +183,15 @@ class RouterConfig:
     record: str | None = None  # --record FILE (kvroute.server.observe.recording); one writer: workers == 1
     shadow: tuple[str, ...] = ()
     otel: bool = False
+    router_queue: QueueConfig | None = None  # the router-side queue (kvroute.routing.queue); None: off
+    engine_limits: tuple[int, int] = (0, 0)  # the engines' (max_num_batched_tokens, max_num_seqs); 0: unknown
 
     def validate(self) -> RouterConfig:
         """Return self; raise :class:`UserError` for a value out of range."""
+        if self.router_queue is not None:
+            self.router_queue.check()
+        if any(x < 0 for x in self.engine_limits):
+            raise UserError("config: engine limits must be >= 0")
         if not self.backends and not self.discover:
             raise UserError(
                 "at least one backend is needed (--backend URL, 'backends' in the config, or --discover)"

@@ -5,6 +5,8 @@ forward → relay → settle (:meth:`Proxy.handle` reads top to bottom that way)
 - **prepare** (:mod:`.stages.prepare`): token ids and block chain (tokenized now, on the worker thread,
   or deferred);
 - **decide** (:mod:`.stages.decide`): the routing core's decision as a frozen plan (the retry order);
+- **wait** (:mod:`.stages.wait`, with ``router_queue`` on): until the plan's first backend can take
+  the request (late binding; the plan is made again then);
 - **reserve** (:mod:`.stages.forward`): a lease on the next backend of the plan;
 - **forward** (:mod:`.stages.forward`): the body, unchanged, through the transport;
 - **relay** (:mod:`.wire.relay`): the answer to the client, streamed or buffered;
@@ -30,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
@@ -40,7 +43,8 @@ from kvroute.server.stages.decide import decide
 from kvroute.server.stages.forward import forward, reserve, sent, takes
 from kvroute.server.stages.prepare import Prepared, Tail, prepare
 from kvroute.server.stages.settle import refuse, settle, unavailable
-from kvroute.server.state.backends import BackendState
+from kvroute.server.stages.wait import WaitingRoom
+from kvroute.server.state.backends import BackendState, Lease
 from kvroute.server.state.router import RouterState
 from kvroute.server.wire.http import error_response, forward_headers, read_body
 from kvroute.server.wire.relay import BROKEN, relay, shutting_down
@@ -91,6 +95,9 @@ class Proxy:
         self._aborting = False  # shutting down: the handlers in flight are being cancelled
         self._inflight: set[asyncio.Task[object]] = set()  # handler tasks of the requests in flight
         self._idle: asyncio.Event | None = None  # set when the last request in flight ends
+        qcfg = state.config.router_queue
+        self.waiting = WaitingRoom(state, qcfg) if qcfg is not None else None  # the router-side queue
+        observer.waiting = self.waiting
 
     @property
     def inflight(self) -> int:
@@ -176,8 +183,13 @@ class Proxy:
             parsed = parse_request(raw, chat)  # parse
             t1 = clock()
             prep = await prepare(state, parsed, self._tokenize_pool)  # prepare
-            plan = decide(state, parsed, prep, request.headers)  # decide
-            t5 = clock()
+            waiting = self.waiting
+            hold = None
+            if waiting is None:
+                plan = decide(state, parsed, prep, request.headers)  # decide
+            else:
+                plan, hold = await waiting.decide(parsed, prep, request.headers)  # decide, wait
+            t5 = clock() - plan.decision.queued_s  # routing time without the wait
         except ApiError as err:
             return refuse(state, obs, err, rid, path, arrival)
         self._timed(t0, t1, prep, t5)
@@ -199,21 +211,24 @@ class Proxy:
                 if n:
                     state.counters.retries += 1
                 target = reserve(state, plan, idx, tail)  # reserve
+                if hold is not None:  # the wait stage's hold, now the lease's
+                    hold.release()
+                    hold = None
                 obs.attempt(rec, idx, target.url, n > 0, headers)
                 lease = target.lease
                 try:
                     up = await forward(self.transport, target, path, raw, headers)  # forward
                     sent(state, plan, target, tail)
                 except UpstreamConnectError as exc:
-                    lease.release()
+                    self._release(lease)
                     self._eject(state.backends[idx], f"{exc} (request {rid})")
                     last_error = f"backend {target.url} unreachable"
                     continue
                 except BaseException:
-                    lease.release()
+                    self._release(lease)
                     raise
                 if up.status in RETRYABLE_STATUS and n + 1 < len(attempts):
-                    lease.release()
+                    self._release(lease)
                     up.abort()
                     last_error = f"backend {target.url} answered {up.status}"
                     continue
@@ -224,12 +239,12 @@ class Proxy:
                         up,
                         parsed.stream,
                         obs.response_headers(rec),
-                        lease.first_byte,
+                        lease.first_byte if waiting is None else self._first_byte(lease),
                         after,
                         self._draining,
                     )
                 finally:
-                    lease.release()
+                    self._release(lease)
                 if out.outcome == BROKEN:
                     self._eject(state.backends[idx], out.error)
                     last_error = f"backend {target.url} failed before its first byte"
@@ -242,11 +257,31 @@ class Proxy:
                 return out.response
             return unavailable(state, obs, rec, last_error)
         finally:
+            if hold is not None:  # no attempt was made
+                hold.release()
+                self._release(None)
             obs.finish(rec)
             if recording is not None:
                 chain = tail.chain if tail is not None and tail.chain is not None else plan.chain
                 prompt = plan.decision.prompt_tokens
                 recording.end(ticket, arrival, parsed, chain, prompt, request.headers, rec.status, end)
+
+    def _release(self, lease: Lease | None) -> None:
+        """End ``lease``; with the router-side queue, the freed room may let a waiting request go."""
+        if lease is not None:
+            lease.release()
+        if self.waiting is not None:
+            self.waiting.poke()
+
+    def _first_byte(self, lease: Lease) -> Callable[[], None]:
+        waiting = self.waiting
+        assert waiting is not None
+
+        def first_byte() -> None:
+            lease.first_byte()
+            waiting.poke()
+
+        return first_byte
 
     def _timed(self, t0: float, t1: float, prep: Prepared, t5: float) -> None:
         """Add one request's routing time (seconds) to the totals by step."""

@@ -16,6 +16,14 @@ The router here is the simulator's twin of the live router (``kvroute.server``):
   or the next copy (which then includes it).
 
 Requests reach the chosen engine at once; engines are woken at their ``next_time()``.
+
+**Router-side queue** (``router_queue``, :mod:`kvroute.routing.queue`): a request whose instances are
+all saturated waits at the router and is decided when one can take it, by the same queue code as the
+live router. The queue is tried again whenever an instance's state changes while it holds requests
+(every step end of that engine, which also brings the router a fresh copy of that engine's load: the
+first token or the finish the live router would see, or a chunk of a long prefill done), and at every
+tick with ``tick_s`` > 0 (then only at ticks). Requests that wait ``ttl_s`` are dropped and counted in
+``queue_expired`` (they stay ``unfinished``: the live router answers them 503).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -40,13 +48,15 @@ from kvroute.engine.types import (
     OutputKind,
 )
 from kvroute.errors import UserError
+from kvroute.features.classes import ClassConfig
 from kvroute.features.timeline import TtftTimeline
 from kvroute.metrics import LatencyRecorder
 from kvroute.policies.base import Policy
-from kvroute.routing.core import RouteRequest, RoutingCore
+from kvroute.routing.core import Decision, RouteRequest, RoutingCore
 from kvroute.routing.kvview import KVView
+from kvroute.routing.queue import QueueConfig, Released, RouterQueue, Ticket, band_of
 from kvroute.routing.shadow import Shadows
-from kvroute.sim.loop import PRIO_ARRIVAL, PRIO_DELIVERY, EventLoop, SimClock
+from kvroute.sim.loop import PRIO_ARRIVAL, PRIO_DELIVERY, PRIO_ENGINE, EventLoop, SimClock
 from kvroute.views import InstanceView
 from kvroute.workloads.request import Request
 
@@ -79,6 +89,7 @@ class SimConfig:
     scale_out: tuple[tuple[float, int], ...] = ()
     spot_instances: int = 0
     by_class: bool = False  # report latencies per request class (``by_class`` in the output)
+    router_queue: QueueConfig | None = None  # the router-side queue (None: off)
 
     def check(self) -> None:
         """Raise UserError for nonsense settings."""
@@ -94,6 +105,8 @@ class SimConfig:
             raise UserError("scrape interval and event delay must be finite and >= 0")
         if any(t < 0 or n < 1 for t, n in self.scale_out) or not 0 <= self.spot_instances <= self.instances:
             raise UserError("--scale-out needs T >= 0 and N >= 1; --spot-instances must be in [0, instances]")
+        if self.router_queue is not None:
+            self.router_queue.check()
 
 
 def sim_router(config: SimConfig, policy: Policy, block_size: int, capacity_blocks: int) -> RoutingCore:
@@ -179,6 +192,16 @@ class ClusterSim:
         self._dirty: set[int] = set()
         self._shadow_names = shadow  # shadow policies (kvroute.routing.shadow), built with the core
         self.shadows: Shadows | None = None
+        # the router-side queue: bands from the request classes' BS weights (the classes feature's
+        # if it is on); waits (s) of the requests that were queued; armed tick / TTL events
+        q = config.router_queue
+        self.queue = RouterQueue(q) if q is not None else None
+        classes = getattr(getattr(policy, "features", None), "classes", None)
+        self._band_weights = (classes if classes is not None else ClassConfig()).weight_map
+        self.queue_waits: list[float] = []
+        self.queue_expired = 0
+        self._tick_armed = False
+        self._deadline_armed = False
 
     # -- set-up ---------------------------------------------------------------------------------
     def _build(self, block_size: int) -> None:
@@ -247,7 +270,26 @@ class ClusterSim:
         self._feature_output(out)
         if self.shadows is not None:
             out["shadow"] = self.shadows.summary()
+        if self.queue is not None:
+            out["router_queue"] = self._queue_output()
         return out
+
+    def _queue_output(self) -> dict[str, Any]:
+        """The queue's counters and the waits of the requests it held (ms)."""
+        q = self.queue
+        assert q is not None
+        waits = sorted(self.queue_waits)
+
+        def pick(p: float) -> float:
+            return round(waits[min(len(waits) - 1, int(p * len(waits)))] * 1000.0, 3) if waits else 0.0
+
+        return {
+            "queued": q.enqueued,
+            "dispatched": q.dispatched,
+            "expired": self.queue_expired,
+            "left": len(q),
+            "wait_ms": {"p50": pick(0.5), "p99": pick(0.99), "max": pick(1.0)},
+        }
 
     def _feature_output(self, out: dict[str, Any]) -> None:
         """Feature counters, per-class latencies (several classes), TTFT around scale-out events."""
@@ -283,7 +325,8 @@ class ClusterSim:
                 loop = self.loop
                 loop.schedule(loop.now + self.config.event_delay, PRIO_DELIVERY, self._deliver, i, events)
 
-        inst.host = EngineHost(eng, self._clock, partial(self._outputs, i, inst), on_events)
+        clock: Any = self._clock if self.queue is None else _StepClock(self.loop, partial(self._stepped, i))
+        inst.host = EngineHost(eng, clock, partial(self._outputs, i, inst), on_events)
         self._insts.append(inst)
 
     def _reset_instance(self, i: int, now: float) -> None:
@@ -356,26 +399,104 @@ class ClusterSim:
                 kv_capacity_blocks=blocks,
                 decode_blocks=used + inst.opt_blocks,
                 tags=inst.tags,
+                max_batched_tokens=self.config.max_num_batched_tokens,
+                max_num_seqs=self.config.max_num_seqs,
             )
             inst.view = view
         return view
 
     def _route(self, req: Request) -> None:
         now = self.loop.now
-        core = self.core
-        assert core is not None
-        chain = req.block_ids
-        prompt = req.prompt_len
         rr = RouteRequest(
-            chain=chain,
-            prompt_tokens=prompt,
+            chain=req.block_ids,
+            prompt_tokens=req.prompt_len,
             max_tokens=req.output_len,
             user=req.user,
             req_class=req.req_class,
             quota_key=req.user,
         )
-        views = self._all_views(now)
-        decision = core.route(rr, views, now)
+        q = self.queue
+        if q is None:
+            self._decide(req, rr, now, self._all_views(now))
+            return
+        band = band_of(req.req_class, self._band_weights)
+        cost = req.prompt_len + req.output_len
+        ticket = Ticket(req.req_id, band, req.user or "-", cost, None, (req, rr, now))
+        self._released(q.offer(ticket, now, self._pool_views, self._route_ticket, self._commit))
+        self._arm(now)
+
+    # -- the router-side queue --------------------------------------------------------------------
+    def _pool_views(self, _pool: object) -> list[InstanceView]:
+        return self._all_views(self.loop.now)
+
+    def _route_ticket(self, ticket: Ticket, views: Sequence[InstanceView], first: bool) -> Decision:
+        assert self.core is not None
+        return self.core.route(ticket.payload[1], views, self.loop.now, charge=first)
+
+    def _commit(self, ticket: Ticket, decision: Decision) -> None:
+        req, rr, arrived = ticket.payload
+        self._carry_out(req, rr, arrived, self._all_views(self.loop.now), decision)
+
+    def _released(self, released: list[Released]) -> None:
+        self.queue_waits.extend(r.waited_s for r in released if r.queued)
+
+    def _drain(self, decide: bool = True) -> None:
+        """Drop expired requests, decide what can be decided (``decide``), arm the next events."""
+        q = self.queue
+        assert q is not None
+        now = self.loop.now
+        self.queue_expired += len(q.expire(now))
+        if decide and len(q):
+            self._released(q.drain(now, self._pool_views, self._route_ticket, self._commit))
+        self._arm(now)
+
+    def _arm(self, now: float) -> None:
+        """While requests are queued: the next tick (``tick_s`` > 0) and the oldest one's deadline."""
+        q = self.queue
+        assert q is not None
+        if not len(q):
+            return
+        if q.config.tick_s and not self._tick_armed:
+            self._tick_armed = True
+            self.loop.schedule(q.next_tick(now), PRIO_ARRIVAL, self._tick)
+        deadline = q.next_deadline()
+        if deadline is not None and not self._deadline_armed:
+            self._deadline_armed = True
+            self.loop.schedule(max(deadline, now), PRIO_ARRIVAL, self._deadline)
+
+    def _tick(self) -> None:
+        self._tick_armed = False
+        self._drain()
+
+    def _deadline(self) -> None:
+        self._deadline_armed = False
+        assert self.queue is not None
+        self._drain(decide=not self.queue.config.tick_s)  # with ticks, decisions wait for the tick
+
+    def _stepped(self, i: int) -> None:
+        """Instance ``i``'s engine ended a step: with requests queued (and no ticks), the router
+        takes a fresh copy of its load and tries the queue."""
+        q = self.queue
+        if q is None or not len(q) or q.config.tick_s:
+            return
+        self._insts[i].snap_time = -math.inf
+        self._dirty.add(i)
+        self._drain()
+
+    def _decide(self, req: Request, rr: RouteRequest, arrived: float, views: list[InstanceView]) -> None:
+        """Route ``req`` (arrived at the router at ``arrived``) among ``views`` now and carry it out."""
+        assert self.core is not None
+        self._carry_out(req, rr, arrived, views, self.core.route(rr, views, self.loop.now))
+
+    def _carry_out(
+        self, req: Request, rr: RouteRequest, arrived: float, views: list[InstanceView], decision: Decision
+    ) -> None:
+        """Carry ``decision`` (made among ``views``) out: reserve on the chosen instance, send."""
+        now = self.loop.now
+        core = self.core
+        assert core is not None
+        chain = rr.chain
+        prompt = rr.prompt_tokens
         choice = decision.instance
         if choice is None:  # refused by the token quota
             self.quota_rejected += 1
@@ -383,7 +504,7 @@ class ClusterSim:
         if self.shadows is not None:  # what the shadow policies would have chosen, same views
             self.shadows.observe(rr, views, now, decision)
         inst = self._insts[choice]
-        cached = decision.cached_tokens[choice]  # views are given in instance order
+        cached = decision.cached_on(choice)
         new_tokens = prompt - cached
         blocks = -(-prompt // self._block_size)
         inst.opt[req.req_id] = (new_tokens, blocks)
@@ -392,7 +513,7 @@ class ClusterSim:
         inst.view = None
         self._dirty.add(choice)
         core.kv.on_routed(choice, chain, now)
-        live = _Live(now, prompt, req.output_len, choice, req_class=req.req_class)
+        live = _Live(arrived, prompt, req.output_len, choice, req_class=req.req_class)
         if self._approx:
             live.chain = chain
             live.predicted_blocks = cached // self._block_size
@@ -448,3 +569,25 @@ class ClusterSim:
     def _cleared(self, i: int) -> None:
         """Instance ``i``'s cache was cleared (its AllBlocksCleared event reached the KV view)."""
         self._reset_instance(i, self.loop.now)  # cold start: warming again, preloads
+
+
+class _StepClock:
+    """The loop as one engine host's clock, with ``after()`` called after each of its wake-ups (the
+    router-side queue learns of every step end)."""
+
+    __slots__ = ("after", "loop")
+
+    def __init__(self, loop: EventLoop, after: Callable[[], None]) -> None:
+        self.loop = loop
+        self.after = after
+
+    def now(self) -> float:
+        return self.loop.now
+
+    def call_at(self, when: float, fn: Callable[[float], object]) -> None:
+        """Run ``fn(when)`` at ``when`` at ``PRIO_ENGINE``, then ``after()``."""
+        self.loop.schedule(when, PRIO_ENGINE, self._wake, fn, when)
+
+    def _wake(self, fn: Callable[[float], object], when: float) -> None:
+        fn(when)
+        self.after()

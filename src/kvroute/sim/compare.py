@@ -23,6 +23,7 @@ from types import TracebackType
 from typing import Any
 
 from kvroute.errors import UserError
+from kvroute.routing.queue import QueueConfig
 from kvroute.sim.capacity import Capacity, CapacityRule, CapacitySearch, Slo
 from kvroute.sim.runner import RunSpec, run_spec
 
@@ -95,8 +96,7 @@ def run_one(spec: RunSpec) -> Summary:
     out["duration"] = spec.duration
     out["seed"] = spec.seed
     out["prefix_caching"] = spec.prefix_caching
-    if not spec.prefix_caching:
-        out["policy"] = out["policy"] + NO_PREFIX_CACHING
+    out["policy"] = arm_name(out["policy"], spec.prefix_caching, spec.router_queue is not None)
     return out
 
 
@@ -297,16 +297,40 @@ SEED_POLICIES: tuple[str, ...] = ("vllm" + NO_PREFIX_CACHING, "vllm", "llm-d", "
 against vLLM engines with 0 % KV hits; plain ``vllm`` (caching on) is the fair reference beside it."""
 
 
-def arm_name(policy: str, prefix_caching: bool = True) -> str:
-    """The arm's name: the policy, with :data:`NO_PREFIX_CACHING` when its engines do not cache."""
-    return policy if prefix_caching else policy + NO_PREFIX_CACHING
+ROUTER_QUEUE = " +queue"
+"""Suffix of an arm whose router runs the router-side queue (:mod:`kvroute.routing.queue`, defaults)."""
+
+PAPER_ARMS: tuple[str, ...] = PAPER_POLICIES + tuple(p + ROUTER_QUEUE for p in PAPER_POLICIES)
+"""The paper preset's arms: every fixed policy without and with the router-side queue."""
+
+
+def arm_name(policy: str, prefix_caching: bool = True, router_queue: bool = False) -> str:
+    """The arm's name: the policy, with :data:`NO_PREFIX_CACHING` when its engines do not cache and
+    :data:`ROUTER_QUEUE` when its router queues."""
+    return policy + ("" if prefix_caching else NO_PREFIX_CACHING) + (ROUTER_QUEUE if router_queue else "")
+
+
+def has_queue(arm: str) -> bool:
+    """Whether ``arm``'s router runs the router-side queue."""
+    return arm.endswith(ROUTER_QUEUE)
 
 
 def split_arm(arm: str) -> tuple[str, bool]:
-    """``arm`` → (policy, prefix caching on)."""
+    """``arm`` → (policy, prefix caching on); the queue suffix is dropped (see :func:`has_queue`)."""
+    arm = arm.removesuffix(ROUTER_QUEUE)
     if arm.endswith(NO_PREFIX_CACHING):
         return arm.removesuffix(NO_PREFIX_CACHING), False
     return arm, True
+
+
+def arm_changes(arm: str) -> dict[str, Any]:
+    """The :class:`RunSpec` fields an arm sets: policy, prefix caching, the router-side queue."""
+    policy, caching = split_arm(arm)
+    return {
+        "policy": policy,
+        "prefix_caching": caching,
+        "router_queue": QueueConfig() if has_queue(arm) else None,
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,10 +345,8 @@ class PaperWorkload:
     trace: str | None = None
 
     def spec(self, plan: PaperPlan, arm: str, rate: float, **changes: Any) -> RunSpec:
-        policy, caching = split_arm(arm)
         fields: dict[str, Any] = {
-            "policy": policy,
-            "prefix_caching": caching,
+            **arm_changes(arm),
             "instances": plan.instances,
             "trace": self.trace,
             "workload": self.workload,
@@ -355,7 +377,7 @@ class PaperPlan:
     workloads: tuple[PaperWorkload, ...]
     instances: int = 16
     seeds: tuple[int, ...] = (0, 1, 2)
-    policies: tuple[str, ...] = PAPER_POLICIES
+    policies: tuple[str, ...] = PAPER_ARMS
     lambdas: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
     reference: str = "vllm"
     profile: str | None = None
@@ -470,7 +492,7 @@ class _Memo:
             if s not in self.known and replace(s, keep_samples=True) not in self.known and s not in todo:
                 todo.append(s)
         for s, out in zip(todo, self.runner(todo), strict=True):
-            out["policy"] = arm_name(s.policy, s.prefix_caching)
+            out["policy"] = arm_name(s.policy, s.prefix_caching, s.router_queue is not None)
             out["seed"] = s.seed
             self.known[s] = out
         return [self.known.get(s) or self.known[replace(s, keep_samples=True)] for s in specs]
@@ -580,13 +602,10 @@ def run_paper(
     if stale_w is not None:
         r = default[stale_w.name]
         base = stale_w.spec(plan, plan.reference, r)
-        pols = shown(stale_w)
+        pols = [p for p in shown(stale_w) if not has_queue(p)]  # the queue arms are not in this study
         stale_specs = expand_grid(base, pols, [r], scrape_intervals=plan.scrape_intervals)
         stale_specs += expand_grid(base, pols, [r], event_delays=plan.event_delays)
-        stale_specs = [
-            replace(s, prefix_caching=split_arm(s.policy)[1], policy=split_arm(s.policy)[0])
-            for s in dict.fromkeys(stale_specs)
-        ]
+        stale_specs = [replace(s, **arm_changes(s.policy)) for s in dict.fromkeys(stale_specs)]
     memo.run(_by_cost(second + stale_specs, probes))
 
     # 4. Capacity at the SLO: every shown policy, from the light rate, for each capacity seed.

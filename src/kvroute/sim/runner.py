@@ -10,6 +10,7 @@ from typing import Any
 
 from kvroute.errors import UserError
 from kvroute.features.settings import FeatureConfig
+from kvroute.routing.queue import QueueConfig
 
 SAMPLE_POINTS = 2000
 """Most per-request points ``run_spec`` returns per metric with ``keep_samples`` (evenly spaced quantiles)."""
@@ -71,6 +72,8 @@ class RunSpec:
     pd: tuple[int, int] | None = None
     pd_bandwidth_gbps: float = 25.0
     pd_conditional: bool = True
+    # The router-side queue (kvroute.routing.queue; None: off): late binding, bands, fair share, TTL.
+    router_queue: QueueConfig | None = None
 
 
 def load_profile(spec: RunSpec) -> Any:
@@ -110,6 +113,7 @@ def run_spec(spec: RunSpec, progress: Callable[[float, int, int], None] | None =
         scale_out=spec.scenario.scale_out,
         spot_instances=spec.scenario.spot_instances,
         by_class=spec.scenario.by_class or spec.features.classes is not None,
+        router_queue=spec.router_queue,
     )
     cfg.check()
     policy = build_policy(spec.policy, spec.features.check(), random.Random(spec.seed))
@@ -140,8 +144,10 @@ def _pd_sim(spec: RunSpec, profile: Any) -> Any:
     from kvroute.engine.transfer import TransferModel
     from kvroute.sim.pd import PDClusterSim, PDSimConfig
 
-    if spec.features.any or spec.shadow or spec.kv_view != "exact":
-        raise UserError("--pd simulates the exact KV view without features or shadow policies")
+    if spec.features.any or spec.shadow or spec.kv_view != "exact" or spec.router_queue is not None:
+        raise UserError(
+            "--pd simulates the exact KV view without features, shadow policies or the router queue"
+        )
     if not spec.pd_bandwidth_gbps > 0:
         raise UserError("--pd-bandwidth must be positive (GB/s)")
     link = TransferModel.from_gbps(profile.model.kv_bytes_per_token_per_rank(spec.tp), spec.pd_bandwidth_gbps)

@@ -6,6 +6,8 @@ each backend's load, queued prefill, health and KV view mode, the latest decisio
 
     "time": Unix seconds,
     "features": ["hotspot", "monitor", ...],
+    "router_queue": None, or {"waiting", "by_band": {band: n}, "queued", "dispatched", "expired",
+                     "disconnects", "wait_ms_mean"} (the router-side queue, ``router_queue`` on),
     "requests_total": every outcome of kvroute_requests_total, summed,
     "rate": {"window_s": 60, "per_second": [n, ...] (oldest first, whole seconds before now),
              "recent_s": 10, "decisions_per_s": mean over the last recent_s seconds},
@@ -181,6 +183,25 @@ def dashboard_state(obs: Observer, limit: int = 20, wall: float | None = None) -
             "rate": rate_view(obs.log.per_second, wall),
             "score": score_view(guard.monitor if guard is not None else None, now),
             "hotspot": hotspot_view(guard.hotspot if guard is not None else None, now),
+            "router_queue": queue_view(obs.waiting),
         }
     )
     return state
+
+
+def queue_view(waiting: Any) -> dict[str, Any] | None:
+    """The router-side queue for the dashboard (None when it is off): waiting per band, counters,
+    mean wait of the requests that went out (ms)."""
+    if waiting is None:
+        return None
+    q = waiting.queue
+    went = waiting.wait_counts[-1]
+    return {
+        "waiting": len(q),
+        "by_band": {f"{b:g}": n for b, n in sorted(q.depth.items())},
+        "queued": q.enqueued,
+        "dispatched": q.dispatched,
+        "expired": q.expired,
+        "disconnects": q.cancelled,
+        "wait_ms_mean": waiting.wait_sum / went * 1000.0 if went else None,
+    }

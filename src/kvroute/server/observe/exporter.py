@@ -18,6 +18,7 @@ other replicas announced). Every other metric is the answering process's own (on
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -124,6 +125,44 @@ class RouterCollector(Collector):
             for stage, seconds in stages.items():
                 fam.add_metric([stage], float(seconds))
             yield fam
+        room = getattr(self.proxy_stats, "waiting", None)
+        if room is not None:
+            yield from queue_metrics(room)
+
+
+def queue_metrics(waiting: Any) -> Iterator[Metric]:
+    """The router-side queue (:mod:`kvroute.server.stages.wait`): requests waiting per band, the
+    wait-time histogram of those that went out, TTL expiries and client disconnects while waiting."""
+    from prometheus_client.core import HistogramMetricFamily
+
+    from kvroute.server.stages.wait import WAIT_BUCKETS
+
+    q = waiting.queue
+    depth = GaugeMetricFamily(
+        "kvroute_router_queue_waiting",
+        "Requests waiting in the router-side queue, by priority band (the class's BS weight)",
+        labels=["band"],
+    )
+    for band, n in sorted(q.depth.items()):
+        depth.add_metric([f"{band:g}"], n)
+    yield depth
+    hist = HistogramMetricFamily(
+        "kvroute_router_queue_wait_seconds", "Time waited in the router-side queue by requests that went out"
+    )
+    bounds = [f"{b:g}" for b in WAIT_BUCKETS] + ["+Inf"]
+    hist.add_metric([], list(zip(bounds, map(float, waiting.wait_counts), strict=True)), waiting.wait_sum)
+    yield hist
+    yield CounterMetricFamily(
+        "kvroute_router_queue_queued", "Requests that waited in the queue", value=q.enqueued
+    )
+    yield CounterMetricFamily(
+        "kvroute_router_queue_expired", "Requests answered 503 after the queue's TTL", value=q.expired
+    )
+    yield CounterMetricFamily(
+        "kvroute_router_queue_disconnects",
+        "Clients that went away while their request waited",
+        value=q.cancelled,
+    )
 
 
 def render_metrics(registry: CollectorRegistry) -> bytes:

@@ -124,6 +124,7 @@ class Observer:
     replaces the one ``--otel`` would build (tests). Single event loop; :meth:`close` at shutdown."""
 
     def __init__(self, core: RouterState, registry: CollectorRegistry, tracer_provider: Any = None) -> None:
+        self.waiting: Any = None  # the router-side queue (kvroute.server.stages.wait), set by the Proxy
         cfg = core.config
         self.state = core
         self.explain_all = cfg.explain

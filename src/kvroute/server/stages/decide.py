@@ -3,15 +3,16 @@
 This stage gathers what :class:`~kvroute.routing.core.RoutingCore` needs (the candidates' instance
 views, the request's class and quota key) and turns its :class:`~kvroute.routing.core.Decision`
 into the plan the later stages follow. It decides nothing itself. It reads the router's state and
-mutates only the core's feature state (and the shadow policies'). A queued request (next) would wait
-between this stage and the reserve stage, holding its plan.
+mutates only the core's feature state (and the shadow policies'). With the router-side queue on, a
+request waits between this stage and the reserve stage (:mod:`.wait`), routed again by it from the
+views of the moment it goes out.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvroute.features.classes import CLASS_HEADER, resolve_class
@@ -21,8 +22,9 @@ from kvroute.server.stages.prepare import Prepared
 from kvroute.server.state.backends import ACTIVE
 from kvroute.server.state.router import RouterState
 from kvroute.server.wire.validate import ApiError, ParsedRequest
+from kvroute.views import InstanceView
 
-__all__ = ["Plan", "QuotaExceeded", "decide", "route_request"]
+__all__ = ["Plan", "QuotaExceeded", "candidate_views", "decide", "plan_of", "route_request"]
 
 
 class QuotaExceeded(ApiError):
@@ -60,24 +62,46 @@ def decide(
     and the API key) through the routing core. Candidates: the healthy active backends of
     ``req.model``'s pool. Raises ApiError(503) when no backend is healthy, 400 for an unknown request
     class, QuotaExceeded (429) over quota, 404 for a model no backend serves."""
+    now = state.clock()
+    views = candidate_views(state, req.model, now)
+    rr = route_request(state, req, headers or {}, prep)
+    return plan_of(state, rr, prep, views, state.routing.route(rr, views, now), now)
+
+
+def candidate_views(state: RouterState, model: str | None, now: float) -> list[InstanceView]:
+    """The instance views of ``model``'s candidates (the healthy active backends of its pool) at
+    ``now``; ApiError(503) when no backend is healthy, 404 for a model no backend serves."""
     candidates = [b for b in state.backends if b.healthy and b.state == ACTIVE]
     if not candidates:
         raise ApiError(503, "no healthy backend", etype="service_unavailable")
-    if state.pools.known and req.model is not None:
-        candidates = state.pools.select(req.model, state.live_backends(), candidates)
-    now = state.clock()
+    if state.pools.known and model is not None:
+        candidates = state.pools.select(model, state.live_backends(), candidates)
     stale = state.config.scrape_stale_s
+    limits = state.config.engine_limits
     views = [b.view(now, stale) for b in candidates]
+    if limits != (0, 0):
+        tokens, seqs = limits
+        views = [dataclasses.replace(v, max_batched_tokens=tokens, max_num_seqs=seqs) for v in views]
     tags = state.tags
     if tags:
         views = [dataclasses.replace(v, tags=tags[v.index]) if v.index in tags else v for v in views]
-    rr = route_request(state, req, headers or {}, prep)
-    decision = state.routing.route(rr, views, now)
+    return views
+
+
+def plan_of(
+    state: RouterState,
+    rr: RouteRequest,
+    prep: Prepared,
+    views: Sequence[InstanceView],
+    decision: Decision,
+    now: float,
+) -> Plan:
+    """The plan of ``decision`` (made among ``views`` at ``now``); QuotaExceeded for a refusal."""
     if state.guard is not None:
         state.drain_log()
     if decision.instance is None:  # refused by the token quota
         wait = decision.retry_after_s
-        who = "this API key" if rr.quota_key is not None and rr.quota_key != req.user else "this user"
+        who = "this API key" if rr.quota_key is not None and rr.quota_key != rr.user else "this user"
         raise QuotaExceeded(
             f"token quota exceeded for {who}; retry in {wait:.1f} s", max(1, math.ceil(wait)), decision
         )

@@ -13,6 +13,7 @@ from kvroute.server.observe.decisions import DecisionRecord
 from kvroute.server.observe.observer import REQUEST_ID_HEADER, Observer
 from kvroute.server.stages.decide import Plan, QuotaExceeded
 from kvroute.server.stages.prepare import Tail
+from kvroute.server.stages.wait import QueueExpired
 from kvroute.server.state.router import RouterState
 from kvroute.server.wire.http import error_response, extract_cached_tokens
 from kvroute.server.wire.relay import (
@@ -66,7 +67,11 @@ def refuse(
     with Retry-After; 429 over quota with its own Retry-After, recorded with the core's refusal;
     any other error a rejected client error."""
     counters = state.counters
-    if err.status == 503:
+    if isinstance(err, QueueExpired):  # waited the router-side queue's TTL: 503 with Retry-After
+        counters.unavailable += 1
+        obs.refused(rid, err.decision, path, arrival, 503)
+        resp = error_response(err, err.retry_after)
+    elif err.status == 503:
         counters.unavailable += 1
         resp = error_response(err, state.config.retry_after_s)
     elif isinstance(err, QuotaExceeded):  # 429 with Retry-After (token quota)

@@ -36,12 +36,8 @@ def add_pd_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with --decode: the P-to-D link in GB/s for the conditional skip (default 25)",
     )
-    g.add_argument(
-        "--engine-max-num-batched-tokens",
-        type=int,
-        default=4096,
-        help="with --decode: the decode engines' chunk size, for their modelled prefill (default 4096)",
-    )
+    # --engine-max-num-batched-tokens (serve's flag, shared with the router queue): the decode engines'
+    # chunk size for their modelled prefill (default 4096)
     g.add_argument("--no-conditional", action="store_true", help="with --decode: never skip P")
 
 
@@ -91,7 +87,8 @@ def pd_config(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     bw = args.kv_transfer_bandwidth if args.kv_transfer_bandwidth is not None else DEFAULT_BANDWIDTH_GBPS
     if not bw > 0:
         raise UserError(f"--kv-transfer-bandwidth must be positive, got {bw}")
-    if args.engine_max_num_batched_tokens <= 0:
+    chunk = args.engine_max_num_batched_tokens if args.engine_max_num_batched_tokens is not None else 4096
+    if chunk <= 0:
         raise UserError("--engine-max-num-batched-tokens must be positive")
     profile = get_profile(args.profile or DEFAULT_PROFILE)
     cfg = PDConfig(
@@ -117,7 +114,9 @@ async def _serve(args: argparse.Namespace) -> None:
     from kvroute.server.pd import PDServer
 
     cfg, tok, cost, transfer = pd_config(args)
-    server = PDServer(cfg, tok, cost, transfer, max_num_batched_tokens=args.engine_max_num_batched_tokens)
+    server = PDServer(
+        cfg, tok, cost, transfer, max_num_batched_tokens=args.engine_max_num_batched_tokens or 4096
+    )
     host, port = args.host or "127.0.0.1", args.port if args.port is not None else 8080
     try:
         bound = await server.start(host, port)

@@ -28,6 +28,9 @@ from kvroute.prepare.events import EventSubscriber
 from kvroute.server.state.backends import STATES
 from kvroute.server.state.router import RouterState
 
+WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+"""Upper bounds (seconds) of the router queue's wait histogram on /metrics."""
+
 __all__ = ["OUTCOMES", "RouterCollector", "render_metrics"]
 
 OUTCOMES = ("ok", "client_errors", "upstream_errors", "cancelled", "unavailable", "drained")
@@ -134,8 +137,6 @@ def queue_metrics(waiting: Any) -> Iterator[Metric]:
     """The router-side queue (:mod:`kvroute.server.stages.wait`): requests waiting per band, the
     wait-time histogram of those that went out, TTL expiries and client disconnects while waiting."""
     from prometheus_client.core import HistogramMetricFamily
-
-    from kvroute.server.stages.wait import WAIT_BUCKETS
 
     q = waiting.queue
     depth = GaugeMetricFamily(

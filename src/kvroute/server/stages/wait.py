@@ -37,8 +37,7 @@ from kvroute.views import InstanceView
 
 __all__ = ["WAIT_BUCKETS", "QueueExpired", "WaitingRoom"]
 
-WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-"""Upper bounds (seconds) of the queue-wait histogram on /metrics."""
+from kvroute.server.observe.exporter import WAIT_BUCKETS
 
 
 class QueueExpired(ApiError):

@@ -147,12 +147,16 @@ async def test_render_endpoints_return_token_ids_and_run_nothing(server: Emulato
     resolved ``max_tokens``, 400/404 for what generation refuses, and nothing enters the engine."""
     base = f"http://127.0.0.1:{server.port}"
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"{base}/v1/chat/completions/render", json={"model": MODEL, "messages": MESSAGES}) as r:
+        async with s.post(
+            f"{base}/v1/chat/completions/render", json={"model": MODEL, "messages": MESSAGES}
+        ) as r:
             chat = (r.status, await r.json())
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3, "cache_salt": "s1"}
         async with s.post(f"{base}/v1/completions/render", json=body) as r:
             comp = (r.status, await r.json())
-        async with s.post(f"{base}/v1/chat/completions/render", json={"model": "other", "messages": MESSAGES}) as r:
+        async with s.post(
+            f"{base}/v1/chat/completions/render", json={"model": "other", "messages": MESSAGES}
+        ) as r:
             missing = (r.status, await r.json())
         async with s.post(f"{base}/v1/completions/render", json={"model": MODEL}) as r:
             bad_body = (r.status, await r.json())

@@ -276,7 +276,6 @@ def render_body(req: GenerateRequest, body: Mapping[str, Any], rid: str) -> dict
     }
 
 
-
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,

@@ -34,7 +34,8 @@ Per path and rate:
   behind its planned time; the highest sustained rate is reported.
 - **TTFT** p50 and p99 (client side), and added over ``direct`` in the same rounds.
 - **KV hit**: Σ prefix-cache hits / Σ queries over the 4 engines' /metrics during the path's
-  segments (``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries``).
+  segments (``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries``); and the busiest engine's
+  share of the prompt tokens (0.25 is an even spread over 4).
 
 Writes ``benchmarks/results/peers.json`` with the machine (CPUs, CPU model, load average before
 and after, the processes that used the most CPU during the run besides this benchmark's). Paths
@@ -177,19 +178,21 @@ async def _wait_ready(url: str, path: str, proc: subprocess.Popen[bytes], timeou
     raise RuntimeError(f"{url}{path} did not come up within {timeout_s:.0f} s")
 
 
-async def _engine_hits(urls: list[str]) -> tuple[float, float]:
-    """Σ prefix-cache hits and queries (tokens) over the engines' /metrics."""
-    hits = queries = 0.0
+async def _engine_hits(urls: list[str]) -> list[tuple[float, float]]:
+    """Each engine's prefix-cache hits and queries (tokens) from its /metrics."""
+    out = []
     async with aiohttp.ClientSession() as s:
         for url in urls:
+            hits = queries = 0.0
             async with s.get(url + "/metrics") as r:
                 text = await r.text()
             for line in text.splitlines():
-                if line.startswith("vllm:prefix_cache_hits"):
+                if line.startswith("vllm:prefix_cache_hits_total"):
                     hits += float(line.rsplit(" ", 1)[1])
-                elif line.startswith("vllm:prefix_cache_queries"):
+                elif line.startswith("vllm:prefix_cache_queries_total"):
                     queries += float(line.rsplit(" ", 1)[1])
-    return hits, queries
+            out.append((hits, queries))
+    return out
 
 
 def _router_cmds(backends: list[Any], model: str, logs: Path) -> dict[str, tuple[list[str], str, str]]:
@@ -259,7 +262,7 @@ async def _segment(
     engines: list[str],
     pyspy: tuple[str, Path] | None,
 ) -> dict[str, Any]:
-    h0, q0 = await _engine_hits(engines)
+    before = await _engine_hits(engines)
     c0 = _group_cpu_s(pgid) if pgid is not None else 0.0
     spy = None
     if pyspy is not None and pgid is not None:
@@ -275,16 +278,20 @@ async def _segment(
     cpu = _group_cpu_s(pgid) - c0 if pgid is not None else None
     if spy is not None:
         spy.wait(timeout=30)
-    h1, q1 = await _engine_hits(engines)
+    after = await _engine_hits(engines)
+    hits = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+    queries = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
     out = _summary(res)
-    out["engine_kv_hit_rate"] = (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0
+    out["engine_kv_hit_rate"] = sum(hits) / sum(queries) if sum(queries) else 0.0
+    out["engine_prompt_token_share"] = [round(q / sum(queries), 3) if sum(queries) else 0.0 for q in queries]
     out["router_cpu_s"] = cpu
     out["router_cpu_ms_per_request"] = 1000.0 * cpu / max(res.requests, 1) if cpu is not None else None
     out["sustained"] = res.unfinished == 0 and res.lag_s <= MAX_LAG_S
     print(
         f"    {name:24s} {res.requests - res.unfinished:4d}/{res.requests:<4d} "
         f"TTFT p50 {out['ttft_ms']['p50']:6.2f} p99 {out['ttft_ms']['p99']:7.2f} ms  "
-        f"hit {out['engine_kv_hit_rate']:.3f}  lag {res.lag_s:5.2f} s  "
+        f"hit {out['engine_kv_hit_rate']:.3f}  busiest engine {max(out['engine_prompt_token_share']):.2f}  "
+        f"lag {res.lag_s:5.2f} s  "
         + (f"CPU {out['router_cpu_ms_per_request']:.2f} ms/req" if cpu is not None else ""),
         flush=True,
     )
@@ -406,6 +413,7 @@ def _merge_segments(segs: list[dict[str, Any]]) -> dict[str, Any]:
         "ttft_ms": {q: sum(s["ttft_ms"][q] for s in segs) / len(segs) for q in ("mean", "p50", "p90", "p99")},
         "engine_kv_hit_rate": sum(s["engine_kv_hit_rate"] for s in segs) / len(segs),
         "client_kv_hit_rate": sum(s["client_kv_hit_rate"] for s in segs) / len(segs),
+        "busiest_engine_share": max(max(s["engine_prompt_token_share"]) for s in segs),
         "router_cpu_ms_per_request": None
         if cpu[0] is None
         else sum(s["router_cpu_s"] for s in segs) * 1000.0 / n,
@@ -473,9 +481,9 @@ def _print(out: dict[str, Any]) -> None:
     )
     print(
         "\n| path | offered req/s | CPU ms/req | TTFT p50 (ms) | TTFT p99 (ms) | added p50 | added p99 "
-        "| engines' KV hit | sustained |"
+        "| engines' KV hit | busiest engine | sustained |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for n, p in out["paths"].items():
         for r, v in p["rates"].items():
             cpu = v["router_cpu_ms_per_request"]
@@ -484,7 +492,7 @@ def _print(out: dict[str, Any]) -> None:
                 f"| {n} | {r} | {'-' if cpu is None else f'{cpu:.2f}'} | {v['ttft_ms']['p50']:.2f} | "
                 f"{v['ttft_ms']['p99']:.2f} | {'-' if add is None else format(add['p50'], '+.2f')} | "
                 f"{'-' if add is None else format(add['p99'], '+.2f')} | {v['engine_kv_hit_rate']:.3f} | "
-                f"{'yes' if v['sustained'] else 'no'} |"
+                f"{v['busiest_engine_share']:.2f} | {'yes' if v['sustained'] else 'no'} |"
             )
     print("\n| path | highest sustained req/s | idle CPU ms/s |")
     print("|---|---:|---:|")

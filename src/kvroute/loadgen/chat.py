@@ -195,9 +195,9 @@ async def _conversation(
     for turn in turns:
         if not messages:
             system = text.block(_mix(salt, 1, turn.system), load.system_tokens)
-            messages.append({"role": "system", "content": system.lstrip()})
+            messages.append({"role": "system", "content": system})
         user = text.block(_mix(salt, 2, turn.conv, turn.turn), turn.user_tokens)
-        messages.append({"role": "user", "content": user.lstrip()})
+        messages.append({"role": "user", "content": user})
         body = orjson.dumps(
             {
                 "model": model,

@@ -349,6 +349,8 @@ async def _measure(logs: Path) -> dict[str, Any]:
                 conversations=int(rate * GAP_S), turns=TURNS, gap_s=GAP_S, output_tokens=OUTPUT_TOKENS
             )
             live = [n for n in paths if n not in failed]
+            if not live:
+                break
             print(
                 f"  {rate} req/s offered ({load.conversations} conversations x {TURNS} turns), {ROUNDS} rounds"
             )

@@ -29,7 +29,8 @@ Per path and rate:
   process in the router's process group (each router is started in a session of its own, so its
   children count too) during its own segments / requests it served there. It includes the router's
   background work over those seconds (health checks, /metrics scrapes, KV events); each router's
-  idle CPU (ms per second, no traffic) is reported separately.
+  idle CPU (ms per second, no traffic) is reported separately, and *above idle* subtracts the idle
+  rate over the segments' wall time (the work the requests themselves cost).
 - **sustained**: every request finished with a 200 and no send lagged more than ``MAX_LAG_S``
   behind its planned time; the highest sustained rate is reported.
 - **TTFT** p50 and p99 (client side), and added over ``direct`` in the same rounds.
@@ -77,7 +78,7 @@ GAP_S = 1.0
 RATES = tuple(int(r) for r in os.environ.get("PEERS_RATES", "50,125,200,300").split(","))
 ROUNDS = int(os.environ.get("PEERS_ROUNDS", "2"))
 MAX_LAG_S = 0.5
-IDLE_S = 3.0
+IDLE_S = 5.0
 PATHS = ("kvroute", "sglang-router", "vllm-router cache_aware", "vllm-router kv_aware", "direct")
 
 
@@ -394,6 +395,11 @@ async def _measure(logs: Path) -> dict[str, Any]:
                 d = out["paths"]["direct"]["rates"].get(r)
                 if n != "direct" and d is not None:
                     v["added_ttft_ms"] = {q: v["ttft_ms"][q] - d["ttft_ms"][q] for q in ("p50", "p99")}
+                idle = out["paths"][n].get("idle_cpu_ms_per_s")
+                if idle is not None and v["router_cpu_ms_per_request"] is not None:
+                    v["router_cpu_ms_per_request_above_idle"] = (
+                        v["router_cpu_ms_per_request"] - idle * v["wall_s"] / v["requests"]
+                    )
         return out
     finally:
         for p in procs.values():
@@ -420,6 +426,7 @@ def _merge_segments(segs: list[dict[str, Any]]) -> dict[str, Any]:
         if cpu[0] is None
         else sum(s["router_cpu_s"] for s in segs) * 1000.0 / n,
         "router_cpu_ms_per_request_rounds": cpu,
+        "wall_s": sum(s["wall_s"] for s in segs),
     }
 
 
@@ -482,16 +489,18 @@ def _print(out: dict[str, Any]) -> None:
         f"{m['loadavg_before'][0]:.2f}, after {m['loadavg_after'][0]:.2f}"
     )
     print(
-        "\n| path | offered req/s | CPU ms/req | TTFT p50 (ms) | TTFT p99 (ms) | added p50 | added p99 "
+        "\n| path | offered req/s | CPU ms/req | above idle | TTFT p50 (ms) | TTFT p99 (ms) | added p50 | added p99 "
         "| engines' KV hit | busiest engine | sustained |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for n, p in out["paths"].items():
         for r, v in p["rates"].items():
             cpu = v["router_cpu_ms_per_request"]
+            above = v.get("router_cpu_ms_per_request_above_idle")
             add = v.get("added_ttft_ms")
             print(
-                f"| {n} | {r} | {'-' if cpu is None else f'{cpu:.2f}'} | {v['ttft_ms']['p50']:.2f} | "
+                f"| {n} | {r} | {'-' if cpu is None else f'{cpu:.2f}'} | "
+                f"{'-' if above is None else f'{above:.2f}'} | {v['ttft_ms']['p50']:.2f} | "
                 f"{v['ttft_ms']['p99']:.2f} | {'-' if add is None else format(add['p50'], '+.2f')} | "
                 f"{'-' if add is None else format(add['p99'], '+.2f')} | {v['engine_kv_hit_rate']:.3f} | "
                 f"{v['busiest_engine_share']:.2f} | {'yes' if v['sustained'] else 'no'} |"

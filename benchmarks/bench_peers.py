@@ -41,6 +41,8 @@ Per path and rate:
 Writes ``benchmarks/results/peers.json`` with the machine (CPUs, CPU model, load average before
 and after, the processes that used the most CPU during the run besides this benchmark's). Paths
 whose package is not installed (``pip install -e '.[bench]'``) are skipped with a note.
+``PEERS_RATES`` (comma-separated req/s) and ``PEERS_ROUNDS`` change the schedule,
+``PEERS_KVROUTE_ARGS`` adds ``kvroute serve`` flags (experiments; the JSON records them).
 ``PEERS_PYSPY=FILE`` records a py-spy profile (speedscope JSON) of the kvroute router during its
 segments at the highest rate, when py-spy is installed.
 """
@@ -205,6 +207,7 @@ def _router_cmds(backends: list[Any], model: str, logs: Path) -> dict[str, tuple
     cmd += ["--policy", "lmetric"]
     for b in backends:
         cmd += ["--backend", b.url, "--kv-events", f"{b.url}={b.kv_events}"]
+    cmd += os.environ.get("PEERS_KVROUTE_ARGS", "").split()
     out["kvroute"] = (cmd, f"http://127.0.0.1:{port}", "/health")
     if importlib.util.find_spec("sglang_router") is not None:
         port = free_port()
@@ -461,6 +464,7 @@ def main() -> int:
         "rates": list(RATES),
         "rounds": ROUNDS,
         "max_lag_s": MAX_LAG_S,
+        "kvroute_extra_args": os.environ.get("PEERS_KVROUTE_ARGS", ""),
         "versions": {
             n: _version(n) for n in ("kvroute", "sglang-router", "vllm-router") if _version(n) is not None
         },

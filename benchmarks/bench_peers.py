@@ -22,7 +22,8 @@ tokens, ``OUTPUT_TOKENS`` output tokens per turn (the run measures the routers, 
 For each offered rate in ``RATES`` there are ``ROUNDS`` rounds; in each round every path runs the
 same structure (same seed: lengths, sharing, arrival times) with its own text salt, so no path hits
 the cache another path warmed; the order of the paths rotates from round to round. A path that
-fails a rate is not offered the higher ones.
+lost requests at a rate is not offered the higher ones; one that only lagged still is (its CPU per
+request stays comparable; it is marked not sustained).
 
 Per path and rate:
 - **router CPU ms per request**: user+system CPU time (``/proc/PID/stat``) summed over every
@@ -77,7 +78,7 @@ BLOCK_SIZE = 16
 OUTPUT_TOKENS = 4
 TURNS = 4
 GAP_S = 1.0
-RATES = tuple(int(r) for r in os.environ.get("PEERS_RATES", "50,125,200,300").split(","))
+RATES = tuple(int(r) for r in os.environ.get("PEERS_RATES", "50,125,250").split(","))
 ROUNDS = int(os.environ.get("PEERS_ROUNDS", "2"))
 MAX_LAG_S = 0.5
 IDLE_S = 5.0
@@ -388,7 +389,7 @@ async def _measure(logs: Path) -> dict[str, Any]:
                     await asyncio.sleep(0.5)
             for n in live:
                 out["paths"][n]["rates"][str(rate)] = _merge_segments(segs[n])
-                if not all(s["sustained"] for s in segs[n]):
+                if any(s["unfinished"] for s in segs[n]):  # lost requests: not offered more
                     failed.add(n)
         for n in paths:
             rates = out["paths"][n]["rates"]

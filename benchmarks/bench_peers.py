@@ -31,7 +31,9 @@ Per path and rate:
   children count too) during its own segments / requests it served there. It includes the router's
   background work over those seconds (health checks, /metrics scrapes, KV events); each router's
   idle CPU (ms per second, no traffic) is reported separately, and *above idle* subtracts the idle
-  rate over the segments' wall time (the work the requests themselves cost).
+  rate over the segments' wall time (the work the requests themselves cost). The 4 engines' CPU
+  per request is measured the same way: a router that asks the engines for token ids (vllm-router
+  renders every chat request on them) moves work there.
 - **sustained**: every request finished with a 200 and no send lagged more than ``MAX_LAG_S``
   behind its planned time; the highest sustained rate is reported.
 - **TTFT** p50 and p99 (client side), and added over ``direct`` in the same rounds.
@@ -265,9 +267,11 @@ async def _segment(
     model: str,
     pgid: int | None,
     engines: list[str],
+    engine_pgids: list[int],
     pyspy: tuple[str, Path] | None,
 ) -> dict[str, Any]:
     before = await _engine_hits(engines)
+    e0 = sum(_group_cpu_s(g) for g in engine_pgids)
     c0 = _group_cpu_s(pgid) if pgid is not None else 0.0
     spy = None
     if pyspy is not None and pgid is not None:
@@ -281,6 +285,7 @@ async def _segment(
         )
     res = await run_chat(target, load, text, model, seed=seed, salt=salt)
     cpu = _group_cpu_s(pgid) - c0 if pgid is not None else None
+    engines_cpu = sum(_group_cpu_s(g) for g in engine_pgids) - e0
     if spy is not None:
         spy.wait(timeout=30)
     after = await _engine_hits(engines)
@@ -291,6 +296,7 @@ async def _segment(
     out["engine_prompt_token_share"] = [round(q / sum(queries), 3) if sum(queries) else 0.0 for q in queries]
     out["router_cpu_s"] = cpu
     out["router_cpu_ms_per_request"] = 1000.0 * cpu / max(res.requests, 1) if cpu is not None else None
+    out["engines_cpu_s"] = engines_cpu
     out["sustained"] = res.unfinished == 0 and res.lag_s <= MAX_LAG_S
     print(
         f"    {name:24s} {res.requests - res.unfinished:4d}/{res.requests:<4d} "
@@ -383,6 +389,7 @@ async def _measure(logs: Path) -> dict[str, Any]:
                         model=model,
                         pgid=procs[n].pid if n in procs else None,
                         engines=engines,
+                        engine_pgids=[e.proc.pid for e in cluster.engines],
                         pyspy=spy,
                     )
                     segs[n].append(seg)
@@ -431,6 +438,7 @@ def _merge_segments(segs: list[dict[str, Any]]) -> dict[str, Any]:
         else sum(s["router_cpu_s"] for s in segs) * 1000.0 / n,
         "router_cpu_ms_per_request_rounds": cpu,
         "wall_s": sum(s["wall_s"] for s in segs),
+        "engines_cpu_ms_per_request": sum(s["engines_cpu_s"] for s in segs) * 1000.0 / n,
     }
 
 
@@ -495,9 +503,9 @@ def _print(out: dict[str, Any]) -> None:
     )
     print(
         "\n| path | offered req/s | CPU ms/req | above idle | TTFT p50 (ms) | TTFT p99 (ms) | added p50 | added p99 "
-        "| engines' KV hit | busiest engine | sustained |"
+        "| engines' CPU ms/req | engines' KV hit | busiest engine | sustained |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for n, p in out["paths"].items():
         for r, v in p["rates"].items():
             cpu = v["router_cpu_ms_per_request"]
@@ -507,7 +515,8 @@ def _print(out: dict[str, Any]) -> None:
                 f"| {n} | {r} | {'-' if cpu is None else f'{cpu:.2f}'} | "
                 f"{'-' if above is None else f'{above:.2f}'} | {v['ttft_ms']['p50']:.2f} | "
                 f"{v['ttft_ms']['p99']:.2f} | {'-' if add is None else format(add['p50'], '+.2f')} | "
-                f"{'-' if add is None else format(add['p99'], '+.2f')} | {v['engine_kv_hit_rate']:.3f} | "
+                f"{'-' if add is None else format(add['p99'], '+.2f')} | {v['engines_cpu_ms_per_request']:.2f} | "
+                f"{v['engine_kv_hit_rate']:.3f} | "
                 f"{v['busiest_engine_share']:.2f} | {'yes' if v['sustained'] else 'no'} |"
             )
     print("\n| path | highest sustained req/s | idle CPU ms/s |")

@@ -7,7 +7,7 @@ session the router asks for the 5 samples it reads (``backends.SCRAPE_PATH``, pr
 
 Setup: one emulated engine (``kvroute engine`` subprocess, time scale 1000, a few requests served
 first so that its histograms hold samples) and, in this process, the router's
-:class:`~kvroute.server.monitor.Monitor` with the router's HTTP transport. For each page, ``SCRAPES``
+:class:`~kvroute.server.sync.monitor.Monitor` with the router's HTTP transport. For each page, ``SCRAPES``
 scrapes back to back (after ``WARMUP``), alternating the two pages in ``ROUNDS`` rounds:
 
 - ``router_cpu_us``: this process's CPU time per scrape (``time.process_time``), µs;
@@ -31,13 +31,13 @@ import aiohttp
 
 from benchmarks.common import write
 from kvroute.policies.registry import make_policy
-from kvroute.server.backends import SCRAPE_PATH
+from kvroute.prepare.tokenize import RequestTokenizer
 from kvroute.server.cluster import EngineCluster
 from kvroute.server.config import RouterConfig
-from kvroute.server.h1 import H1Transport
-from kvroute.server.monitor import Monitor
-from kvroute.server.router import RouterCore
-from kvroute.server.tokenize import RequestTokenizer
+from kvroute.server.state.backends import SCRAPE_PATH
+from kvroute.server.state.router import RouterState
+from kvroute.server.sync.monitor import Monitor
+from kvroute.server.wire.h1 import H1Transport
 from kvroute.tokenizer import load_tokenizer
 
 SCRAPES = 400
@@ -65,7 +65,7 @@ async def _measure() -> dict[str, Any]:
             for name, path in PAGES.items():
                 async with s.get(url + path) as r:
                     sizes[name] = len(await r.read())
-        core = RouterCore(
+        core = RouterState(
             RouterConfig(backends=tuple(specs)), RequestTokenizer(load_tokenizer()), make_policy("lmetric")
         )
         transport = H1Transport()

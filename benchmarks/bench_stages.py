@@ -4,7 +4,7 @@ The proxy benchmark (``bench_proxy``) measures the same stages inside a running 
 machine shared with 4 engines and the load generator, where each stage takes several times longer.
 This one gives their intrinsic cost, to tell the two apart.
 
-Setup: a :class:`~kvroute.server.router.RouterCore` with 4 backends whose KV view is exact (fed by KV
+Setup: a :class:`~kvroute.server.state.router.RouterState` with 4 backends whose KV view is exact (fed by KV
 events), the ``lmetric`` policy and the bundled tokenizer; ``REQUESTS`` prompts of the proxy benchmark's
 workload (``chatbot`` prompts as synthetic text, capped at 2,048 tokens), as ``/v1/completions`` bodies.
 For each request, in order, timed with ``time.perf_counter``:
@@ -14,7 +14,7 @@ For each request, in order, timed with ``time.perf_counter``:
 - ``tokenize``: the new segments tokenized;
 - ``hash``: block hashes (memoised along cached segments);
 - ``plan``: KV match on every backend + instance views + policy;
-- ``observe``: the decision record and its outcome (:class:`~kvroute.server.observe.Observer`:
+- ``observe``: the decision record and its outcome (:class:`~kvroute.server.observe.observer.Observer`:
   ``planned``, ``attempt``, ``response_headers``, ``finish``: the ring buffer, the request id and the
   latency histograms), as the proxy does around forwarding;
 - ``routed``: the routing history recorded for the chosen backend (with an exact KV view the proxy
@@ -44,11 +44,13 @@ from kvroute.engine.types import BlockStored
 from kvroute.kvevents import decode_batch, encode_batch
 from kvroute.loadgen import BlockText
 from kvroute.policies.registry import make_policy
+from kvroute.prepare.tokenize import RequestTokenizer
 from kvroute.server.config import BackendSpec, RouterConfig
-from kvroute.server.observe import Observer
-from kvroute.server.router import RouterCore
-from kvroute.server.tokenize import RequestTokenizer
-from kvroute.server.validate import parse_request
+from kvroute.server.observe.observer import Observer
+from kvroute.server.stages.decide import decide
+from kvroute.server.stages.prepare import Prepared, extra_key, hashed, split
+from kvroute.server.state.router import RouterState
+from kvroute.server.wire.validate import parse_request
 from kvroute.tokenizer import load_tokenizer
 
 REQUESTS = 1200
@@ -85,7 +87,7 @@ def measure(requests: int = REQUESTS, warmup: int = WARMUP, **config_extra: Any)
         ),
         **config_extra,
     )
-    core = RouterCore(config, RequestTokenizer(tok, config.tokenizer_cache_entries), make_policy("lmetric"))
+    core = RouterState(config, RequestTokenizer(tok, config.tokenizer_cache_entries), make_policy("lmetric"))
     from prometheus_client import CollectorRegistry
 
     obs = Observer(core, CollectorRegistry())
@@ -97,16 +99,17 @@ def measure(requests: int = REQUESTS, warmup: int = WARMUP, **config_extra: Any)
         t0 = clock()
         parsed = parse_request(raw, False)
         t1 = clock()
-        pending = core.split(parsed)
+        key = extra_key(core, parsed)
+        pending = split(core, parsed)
         t2 = clock()
         pieces = core.tokenizer.finish_pieces(pending)
         t3 = clock()
-        ids, chain = core.hashed(pieces, pending.suffix, parsed.cache_salt)
+        ids, chain = hashed(core, pieces, pending.suffix, key)
         t4 = clock()
-        plan = core.plan(parsed, ids, {}, hashes=chain)
+        plan = decide(core, parsed, Prepared(key, ids, chain), {})
         t5 = clock()
         idx = plan.order[0]
-        rec = obs.planned(f"{n:032x}", plan, "/v1/completions", {}, t0, t5 - t0)
+        rec = obs.planned(f"{n:032x}", plan.decision, plan.shadow, "/v1/completions", {}, t0, t5 - t0)
         obs.attempt(rec, idx, core.backends[idx].url, False, {})
         rec.first_byte = clock()
         obs.response_headers(rec)

@@ -187,10 +187,12 @@ def event_costs(requests: int = EVENT_REQUESTS, warmup: int = EVENT_WARMUP) -> d
     from benchmarks.bench_stages import BACKENDS
     from kvroute.kvevents import BlockStored, decode_batch, encode_batch
     from kvroute.policies.registry import make_policy
+    from kvroute.prepare.tokenize import RequestTokenizer
     from kvroute.server.config import BackendSpec, RouterConfig
-    from kvroute.server.router import RouterCore
-    from kvroute.server.tokenize import RequestTokenizer
-    from kvroute.server.validate import parse_request
+    from kvroute.server.stages.decide import decide
+    from kvroute.server.stages.prepare import prepare_inline
+    from kvroute.server.state.router import RouterState
+    from kvroute.server.wire.validate import parse_request
 
     tok = load_tokenizer()
     text = BlockText(tok)
@@ -200,15 +202,16 @@ def event_costs(requests: int = EVENT_REQUESTS, warmup: int = EVENT_WARMUP) -> d
             for i in range(BACKENDS)
         )
     )
-    core = RouterCore(config, RequestTokenizer(tok, config.tokenizer_cache_entries), make_policy("lmetric"))
+    core = RouterState(config, RequestTokenizer(tok, config.tokenizer_cache_entries), make_policy("lmetric"))
     bs = config.block_size
     stored: list[set[int]] = [set() for _ in range(BACKENDS)]
     dec, app, blocks = [], [], []
     for n, r in enumerate(_requests(requests, 20.0, seed=7)):
         prompt = text.prompt(r.block_ids, r.block_size, r.prompt_len, r.req_id)
         parsed = parse_request(orjson.dumps({"model": "m", "prompt": prompt, "max_tokens": 4}), False)
-        ids = core.tokens(parsed)
-        plan = core.plan(parsed, ids, {})
+        prep = prepare_inline(core, parsed)
+        ids = prep.ids
+        plan = decide(core, parsed, prep, {})
         idx = plan.order[0]
         have = stored[idx]
         first = next((i for i, h in enumerate(plan.chain) if h not in have), len(plan.chain))

@@ -26,8 +26,8 @@ from kvroute.chat_template import ChatOptions, ChatTemplate, ChatTemplateError, 
 from kvroute.emulator.protocol import ApiError as EmuError
 from kvroute.emulator.protocol import parse_chat
 from kvroute.errors import UserError
-from kvroute.server.chainmemo import ChainMemo
-from kvroute.server.tokenize import RequestTokenizer
+from kvroute.prepare.chainmemo import ChainMemo
+from kvroute.prepare.tokenize import RequestTokenizer
 from kvroute.tokenizer import Tokenizer, default_tokenizer_path, load_tokenizer
 
 FIX = Path(__file__).parent / "fixtures" / "chat_templates"

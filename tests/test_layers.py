@@ -1,5 +1,6 @@
 """The packages stay layered: an AST scan of every module's imports (lazy ones inside functions
-included) against the allowed directions, and no import cycle between packages."""
+included) against the allowed directions, and no import cycle between packages; inside server/, its
+parts import downward only (the table in ``kvroute/server/__init__.py``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ FORBIDDEN = {
     "engine": {"features", "policies", "routing", "server", "sim", "commands", "emulator"},
     "sim": {"server", "commands", "emulator", "integrations"},
     "server": {"commands", "sim"},
+    # what every driver needs of a request and an engine: below the live router and the Ray router
+    "prepare": {"server", "sim", "commands", "emulator", "integrations"},
+    "integrations": {"server", "commands"},
 }
 
 
@@ -107,3 +111,89 @@ def test_no_import_cycle_between_packages() -> None:
     for node in sorted(graph):
         if node not in state:
             visit(node, [node])
+
+
+# ---- inside server/ ----------------------------------------------------------------------------
+
+SERVER = SRC / "server"
+
+# part of server/ -> the parts of server/ it may import (its own part always)
+SERVER_ALLOWED: dict[str, set[str]] = {
+    "wire": set(),
+    "config": set(),
+    "state": {"wire", "config"},
+    "sync": {"state", "wire", "config"},
+    "observe": {"state", "wire", "config"},
+    "stages": {"observe", "state", "wire", "config"},
+    "pipeline": {"stages", "observe", "state", "wire", "config"},
+    "app": {"pipeline", "stages", "observe", "sync", "state", "wire", "config"},
+    "cluster": {"config"},
+    "run": {"app", "sync", "state", "wire", "config"},
+    "workers": {"run", "app", "sync", "state", "wire", "config"},
+}
+
+
+def _part(module: str) -> str | None:
+    """``kvroute.server.sync.fleet`` → ``sync``; ``kvroute.server.app`` → ``app``; None outside."""
+    parts = module.split(".")
+    if parts[:2] != ["kvroute", "server"] or len(parts) < 3:
+        return None
+    return parts[2]
+
+
+def _modules() -> list[Path]:
+    return [p for p in SERVER.rglob("*.py") if p != SERVER / "__init__.py"]
+
+
+def test_every_part_of_server_is_in_its_table() -> None:
+    """A new module or subpackage of server/ gets its place in the layering first."""
+    parts = {p.relative_to(SERVER).parts[0].removesuffix(".py") for p in _modules()}
+    assert parts == set(SERVER_ALLOWED), parts ^ set(SERVER_ALLOWED)
+
+
+@pytest.mark.parametrize("part", sorted(SERVER_ALLOWED))
+def test_server_part_imports_only_downward(part: str) -> None:
+    bad = {}
+    for path in _modules():
+        if path.relative_to(SERVER).parts[0].removesuffix(".py") != part:
+            continue
+        hits = set()
+        for mod in _imports(path):
+            dst = _part(mod)
+            if (
+                dst is None
+                or dst == part
+                or (not (SERVER / dst).exists() and not (SERVER / f"{dst}.py").exists())
+            ):
+                continue  # outside server/, its own part, or a name imported from kvroute.server
+            if dst not in SERVER_ALLOWED[part]:
+                hits.add(mod)
+        if hits:
+            bad[str(path.relative_to(SRC))] = sorted(hits)
+    assert not bad, bad
+
+
+def test_server_table_has_no_cycle() -> None:
+    """Downward means a strict order: no two parts may import each other, directly or not."""
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(SERVER_ALLOWED[node]):
+            assert state.get(nxt) != 1, " -> ".join([*path, nxt])
+            if nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(SERVER_ALLOWED):
+        if node not in state:
+            visit(node, [node])
+
+
+def test_server_stages_call_no_later_stage() -> None:
+    """Within stages/ a later stage may use an earlier one's frozen types, never the reverse."""
+    order = ["prepare", "decide", "forward", "settle"]
+    for i, name in enumerate(order):
+        later = {f"kvroute.server.stages.{n}" for n in order[i + 1 :]}
+        hits = {m for m in _imports(SERVER / "stages" / f"{name}.py") if any(m.startswith(x) for x in later)}
+        assert not hits, (name, sorted(hits))

@@ -28,8 +28,8 @@ from kvroute.errors import UserError
 from kvroute.server import app as app_module
 from kvroute.server.app import RouterServer
 from kvroute.server.config import RouterConfig
-from kvroute.server.exporter import render_metrics
-from kvroute.server.peers import parse_peer_endpoint
+from kvroute.server.observe.exporter import render_metrics
+from kvroute.server.sync.peers import parse_peer_endpoint
 from kvroute.server.workers import WorkerCollector
 
 ROOT = Path(__file__).resolve().parents[2]

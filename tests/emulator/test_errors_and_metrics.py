@@ -199,7 +199,7 @@ async def test_disconnect_aborts_and_frees_blocks(start_server, stream):
 async def test_metrics_name_filter_serves_only_the_named_samples(server: EmulatorServer):
     """``/metrics?name[]=...`` (prometheus_client's filter, what the router scrapes): only those
     samples, and what the router parses from them equals what it parses from the whole page."""
-    from kvroute.server.backends import SCRAPE_PATH, parse_vllm_metrics
+    from kvroute.server.state.backends import SCRAPE_PATH, parse_vllm_metrics
 
     status, _ = await post(server, "/v1/completions", {"prompt": list(range(1000, 1100)), "max_tokens": 4})
     assert status == 200

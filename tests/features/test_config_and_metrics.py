@@ -18,7 +18,7 @@ from kvroute.features.monitor import ScoreMonitorConfig
 from kvroute.features.settings import FeatureConfig
 from kvroute.policies.registry import make_policy
 from kvroute.routing.guarded import Guarded
-from kvroute.server.feature_metrics import FeatureCollector
+from kvroute.server.observe.feature_metrics import FeatureCollector
 from kvroute.views import RequestView
 
 from ._factories import insts, req

@@ -109,7 +109,7 @@ async def test_class_header_and_unknown_class(tokenizer: Tokenizer) -> None:
     try:
         assert (await post(server.url, BODY, {"x-kvroute-class": "ttft"}))[0] == 200
         assert (await post(server.url, {**BODY, "user": "nightly"}))[0] == 200
-        guard = server.core.guard
+        guard = server.state.guard
         assert guard is not None and guard.counts["class:ttft"] == 1 and guard.counts["class:tpot"] == 1
         status, _, raw = await post(server.url, BODY, {"x-kvroute-class": "urgent"})
         assert status == 400
@@ -159,12 +159,14 @@ async def test_readmitted_backend_warms_up_and_gets_preloads(tokenizer: Tokenize
         shared = "System: answer in French, cite sources, be brief. " * 20
         for i in range(2):
             assert (await post(server.url, {**BODY, "prompt": shared + f"q{i}"}))[0] == 200
-        b = server.core.backends[1]
+        b = server.state.backends[1]
         b.eject()
         assert await server.monitor.check_health(b)  # passes: re-admitted → warming + preloads
-        guard = server.core.guard
-        assert guard is not None and guard.warmup is not None and guard.warmup.warming(1, server.core.clock())
-        todo = server.core.take_preloads()
+        guard = server.state.guard
+        assert (
+            guard is not None and guard.warmup is not None and guard.warmup.warming(1, server.state.clock())
+        )
+        todo = server.state.take_preloads()
         assert len(todo) == 1 and todo[0][0] == 1
         assert await server.monitor.preload(*todo[0])
         url, body = t.posts()[-1]
@@ -173,7 +175,7 @@ async def test_readmitted_backend_warms_up_and_gets_preloads(tokenizer: Tokenize
         ids = tokenizer.encode(shared)  # type: ignore[attr-defined]
         assert sent["prompt"] == list(todo[0][1].tokens or ()) and len(sent["prompt"]) % 16 == 0
         assert sent["prompt"] == ids[: len(sent["prompt"])] and len(sent["prompt"]) >= len(ids) - 32
-        assert all(x.waiting == 0 and x.running == 0 for x in server.core.backends)
+        assert all(x.waiting == 0 and x.running == 0 for x in server.state.backends)
         assert "kvroute_cold_start_preloads_total 1.0" in await metrics(server.url)
     finally:
         await server.stop()
@@ -182,9 +184,11 @@ async def test_readmitted_backend_warms_up_and_gets_preloads(tokenizer: Tokenize
 async def test_all_blocks_cleared_starts_a_warm_up(tokenizer: Tokenizer) -> None:
     server, _ = await start(tokenizer, FeatureConfig(cold_start=ColdStartConfig()))
     try:
-        server.core.kv.apply_events(0, [AllBlocksCleared()])
-        guard = server.core.guard
-        assert guard is not None and guard.warmup is not None and guard.warmup.warming(0, server.core.clock())
+        server.state.kv.apply_events(0, [AllBlocksCleared()])
+        guard = server.state.guard
+        assert (
+            guard is not None and guard.warmup is not None and guard.warmup.warming(0, server.state.clock())
+        )
         assert 'kvroute_cold_start_warming{backend="http://a:1"} 1.0' in await metrics(server.url)
     finally:
         await server.stop()

@@ -6,7 +6,7 @@ from kvroute.blocks import hash_blocks
 from kvroute.integrations.inflight import InFlight, instance_view
 from kvroute.integrations.prompts import PromptChains, body_of
 from kvroute.integrations.ray_state import SharedRoutingState
-from kvroute.server.tokenize import RequestTokenizer
+from kvroute.prepare.tokenize import RequestTokenizer
 from kvroute.tokenizer import load_tokenizer
 
 

@@ -1,6 +1,6 @@
 """The live router's core and the simulator's router decide alike.
 
-Both drivers are built as they build themselves (:class:`~kvroute.server.router.RouterCore` from a
+Both drivers are built as they build themselves (:class:`~kvroute.server.state.router.RouterState` from a
 router config, :func:`~kvroute.sim.cluster.sim_router` from a simulation config) and fed the same
 traffic through their own conventions:
 
@@ -10,7 +10,7 @@ traffic through their own conventions:
 - **approximate**: each side records where it sent a request and corrects itself from the engine's
   real ``cached_tokens`` when the request finishes.
 
-The live side routes from the request body (token-id prompts through ``RouterCore.plan``); the
+The live side routes from the request body (token-id prompts through the live router's prepare and decide stages, :mod:`kvroute.server.stages`); the
 simulator from a :class:`~kvroute.routing.core.RouteRequest` built from the block chain. Every
 decision, with every candidate's terms, must be the same.
 """
@@ -28,12 +28,14 @@ from kvroute.engine.types import EngineConfig, EngineRequest, OutputKind
 from kvroute.features.hotspot import HotspotConfig
 from kvroute.features.settings import FeatureConfig
 from kvroute.policies.registry import make_policy
+from kvroute.prepare.tokenize import RequestTokenizer
 from kvroute.routing.core import RouteRequest, build_policy
-from kvroute.server.backends import ScrapedMetrics
 from kvroute.server.config import BackendSpec, RouterConfig
-from kvroute.server.router import RouterCore
-from kvroute.server.tokenize import RequestTokenizer
-from kvroute.server.validate import parse_request
+from kvroute.server.stages.decide import decide
+from kvroute.server.stages.prepare import prepare_inline
+from kvroute.server.state.backends import ScrapedMetrics
+from kvroute.server.state.router import RouterState
+from kvroute.server.wire.validate import parse_request
 from kvroute.sim.cluster import SimConfig, sim_router
 
 BS = 16
@@ -72,7 +74,7 @@ def test_live_and_simulated_cores_decide_alike(mode: str, policy: str) -> None:
         base = policy.split("+")[0]
         features = FeatureConfig(hotspot=HotspotConfig(window_s=5.0, class_tokens=32))
     now = [0.0]
-    live = RouterCore(
+    live = RouterState(
         RouterConfig(
             backends=tuple(
                 BackendSpec(f"http://b{i}:1", kv_events="tcp://127.0.0.1:1" if mode == "exact" else None)
@@ -126,7 +128,10 @@ def test_live_and_simulated_cores_decide_alike(mode: str, policy: str) -> None:
             b.table.add(b.slot, prefill=rng.randrange(0, 64))
         views = [b.view(t, 1.0) for b in live.backends]
         body = b'{"model": "m", "prompt": %s, "max_tokens": 3}' % str(ids).encode()
-        plan = live.plan(parse_request(body, chat=False), ids)
+        parsed = parse_request(body, chat=False)
+        prep = prepare_inline(live, parsed)
+        assert list(prep.ids) == ids
+        plan = decide(live, parsed, prep)
         chain = tuple(hash_blocks(ids, BS))
         assert plan.chain == chain
         got = sim.route(RouteRequest(chain, len(ids), 3, req_class="default"), views, t)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import orjson
 from aiohttp import web
 
-from kvroute.server.transport import UpstreamBrokenError, UpstreamConnectError, UpstreamResponse
+from kvroute.server.wire.transport import UpstreamBrokenError, UpstreamConnectError, UpstreamResponse
 
 # ---- in-memory transport -------------------------------------------------------------------------
 

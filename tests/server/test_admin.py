@@ -17,10 +17,10 @@ import pytest
 
 from kvroute.commands.settings import backends_from_text
 from kvroute.server.app import RouterServer
-from kvroute.server.backends import REMOVED
 from kvroute.server.config import RouterConfig
-from kvroute.server.exporter import render_metrics
-from kvroute.server.loadtable import url_digest
+from kvroute.server.observe.exporter import render_metrics
+from kvroute.server.state.backends import REMOVED
+from kvroute.server.state.loadtable import url_digest
 from kvroute.tokenizer import Tokenizer
 
 from .test_e2e import Cluster, eventually
@@ -96,12 +96,12 @@ async def test_admin_add_takes_traffic_and_delete_drains_then_removes(
     assert status == 201 and added["state"] == "active" and added["kv_mode"] == "exact"
     assert (await call("POST", admin, {"url": spec.url}))[0] == 409
     bid = added["id"]
-    assert await eventually(lambda: router.core.backends[1].routable)  # admitted by a health check
+    assert await eventually(lambda: router.state.backends[1].routable)  # admitted by a health check
     async with aiohttp.ClientSession() as s:
         for _ in range(4):
             async with s.post(url + "/v1/completions", json=SHORT) as r:
                 assert r.status == 200
-    assert engine_requests(second) > 0 and router.core.backends[1].requests_total >= 2
+    assert engine_requests(second) > 0 and router.state.backends[1].requests_total >= 2
 
     # a slow stream on the new backend (the first one drained meanwhile), then DELETE it
     first_id = url_digest(cluster.specs[0].url)
@@ -115,16 +115,16 @@ async def test_admin_add_takes_traffic_and_delete_drains_then_removes(
             assert status == 202 and gone["state"] == "draining" and gone["removing"]
             assert gone["waiting"] + gone["running"] == 1
             assert (await call("POST", f"{admin}/{first_id}/undrain"))[0] == 202
-            before = router.core.backends[1].requests_total
+            before = router.state.backends[1].requests_total
             first_before = engine_requests(first)
             async with s.post(url + "/v1/completions", json=SHORT) as r:
                 assert r.status == 200
-            assert router.core.backends[1].requests_total == before  # no new request on it
+            assert router.state.backends[1].requests_total == before  # no new request on it
             assert engine_requests(first) > first_before
             assert (await call("GET", f"{admin}/{bid}"))[1]["state"] == "draining"
             rest = await stream.content.read()
         assert rest.rstrip().endswith(b"data: [DONE]") and b'"error"' not in rest
-    b = router.core.backends[1]
+    b = router.state.backends[1]
     assert await eventually(lambda: b.state == REMOVED)
     assert b.waiting == b.running == b.queued_prefill == b.blocks == 0
     status, listed = await call("GET", admin)
@@ -155,7 +155,7 @@ async def test_dns_discovery_adds_the_backends_a_name_resolves_to(
     )
     cluster.router = RouterServer(cfg, tokenizer=tokenizer)
     url = await cluster.router.start()
-    core = cluster.router.core
+    core = cluster.router.state
     want = f"http://127.0.0.1:{port}"
     assert await eventually(lambda: any(b.url == want and b.routable for b in core.backends))
     async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=SHORT) as r:
@@ -182,7 +182,7 @@ async def test_dns_discovery_follows_the_answers(cluster: Cluster, tokenizer: To
     )
     cluster.router = RouterServer(cfg, tokenizer=tokenizer, resolve=resolve)
     await cluster.router.start()
-    core = cluster.router.core
+    core = cluster.router.state
     urls = [s.url for s in cluster.specs]
     assert await eventually(lambda: [b.url for b in core.backends if b.routable] == urls)
     answers.pop()
@@ -202,7 +202,7 @@ async def test_file_discovery_follows_the_file(
     )
     cluster.router = RouterServer(cfg, tokenizer=tokenizer, parse_backends=backends_from_text)
     url = await cluster.router.start()
-    core = cluster.router.core
+    core = cluster.router.state
     assert await eventually(lambda: [x.url for x in core.backends if x.routable] == [cluster.specs[0].url])
     path.write_text(f"backends:\n  - url: {cluster.specs[1].url}\n")
     os.utime(path, ns=(1, 10**18))  # a new mtime even on a coarse-grained file system

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvroute.blocks import hash_blocks
-from kvroute.server.chainmemo import ChainMemo, Piece
+from kvroute.prepare.chainmemo import ChainMemo, Piece
 
 # a small universe of pieces so that prompts share prefixes and reuse pieces in other positions
 PIECES: dict[tuple[str, str], tuple[int, ...]] = {
@@ -65,12 +65,13 @@ def test_repeated_prefix_is_served_from_the_memo() -> None:
 def test_router_routes_with_memoised_chain(tokenizer: object) -> None:
     """The router's chain for a chat whose earlier turns were seen equals hashing its full ids."""
     from kvroute.policies.registry import make_policy
+    from kvroute.prepare.tokenize import RequestTokenizer
     from kvroute.server.config import BackendSpec, RouterConfig
-    from kvroute.server.router import RouterCore
-    from kvroute.server.tokenize import RequestTokenizer
-    from kvroute.server.validate import parse_request
+    from kvroute.server.stages.prepare import hashed, split
+    from kvroute.server.state.router import RouterState
+    from kvroute.server.wire.validate import parse_request
 
-    core = RouterCore(
+    core = RouterState(
         RouterConfig(backends=(BackendSpec("http://a:1"),)),
         RequestTokenizer(tokenizer),  # type: ignore[arg-type]
         make_policy("lmetric"),
@@ -82,8 +83,8 @@ def test_router_routes_with_memoised_chain(tokenizer: object) -> None:
     ):
         body = b'{"model": "m", "messages": %s}' % __import__("orjson").dumps(turn)
         req = parse_request(body, chat=True)
-        pending = core.split(req)
-        ids, chain = core.hashed(core.tokenizer.finish_pieces(pending), pending.suffix, None)
+        pending = split(core, req)
+        ids, chain = hashed(core, core.tokenizer.finish_pieces(pending), pending.suffix, None)
         assert ids == core.tokenizer.tokenizer.encode_chat(turn)
         assert chain == tuple(hash_blocks(ids, 16))
     assert core.chains.hits >= 2

@@ -1,4 +1,4 @@
-"""The dashboard's server side: the per-second counter, the pure views of :mod:`kvroute.server.dashstate`,
+"""The dashboard's server side: the per-second counter, the pure views of :mod:`kvroute.server.observe.dashstate`,
 and the routes over real sockets (404 without an admin token, 401 without the bearer, 400 for a bad
 limit, the page's security headers, the JSON agreeing with /metrics). The page in a browser:
 test_dashboard_browser.py."""
@@ -15,9 +15,9 @@ import pytest
 from kvroute.features.hotspot import HotspotConfig, HotspotDetector
 from kvroute.features.monitor import ScoreMonitor, ScoreMonitorConfig
 from kvroute.server.config import BackendSpec, RouterConfig
-from kvroute.server.dashboard import STATIC_FILES
-from kvroute.server.dashstate import hit_rate, hotspot_view, rate_view, score_view
-from kvroute.server.persecond import PerSecond
+from kvroute.server.observe.dashboard import STATIC_FILES
+from kvroute.server.observe.dashstate import hit_rate, hotspot_view, rate_view, score_view
+from kvroute.server.observe.persecond import PerSecond
 from kvroute.tokenizer import Tokenizer
 
 from .test_observe import AUTH, TOKEN, HeaderEngine, _metric, _router
@@ -91,11 +91,11 @@ def test_hotspot_view_lists_alarms_and_events() -> None:
 
 
 def test_static_files_are_package_data() -> None:
-    static = resources.files("kvroute.server").joinpath("static")
+    static = resources.files("kvroute.server.observe").joinpath("static")
     for name in ("dashboard.html", *STATIC_FILES):
         assert static.joinpath(name).read_bytes(), name
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    assert "server/static/*" in data["kvroute"]
+    assert "server/observe/static/*" in data["kvroute"]
     page = static.joinpath("dashboard.html").read_text()
     for name in STATIC_FILES:  # the page names its assets relative to /dashboard
         assert f'"dashboard/static/{name}"' in page

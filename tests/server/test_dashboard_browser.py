@@ -79,7 +79,7 @@ async def cluster(tokenizer: Tokenizer) -> AsyncIterator[Cluster]:
         await c.start_router(tokenizer, admin_token=TOKEN, features=features, shadow=("vllm",))
         router = c.router
         assert router is not None
-        assert await eventually(lambda: all(b.healthy for b in router.core.backends))
+        assert await eventually(lambda: all(b.healthy for b in router.state.backends))
         yield c
     finally:
         await c.close()

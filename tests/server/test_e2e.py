@@ -71,7 +71,7 @@ async def cluster() -> AsyncIterator[Cluster]:
 def counters_zero(router: RouterServer) -> bool:
     return all(
         b.waiting == 0 and b.running == 0 and b.queued_prefill == 0 and b.blocks == 0
-        for b in router.core.backends
+        for b in router.state.backends
     )
 
 
@@ -183,7 +183,7 @@ async def test_backend_killed_mid_stream(cluster: Cluster, tokenizer: Tokenizer)
                     url + "/v1/completions", json={**body, "max_tokens": 2, "stream": False}
                 ) as r:
                     assert r.status == 200
-        assert not router.core.backends[1].healthy
+        assert not router.state.backends[1].healthy
         assert counters_zero(router)
     finally:
         victim.stop()
@@ -199,7 +199,7 @@ async def test_backend_down_at_start(cluster: Cluster, tokenizer: Tokenizer) -> 
         for _ in range(4):
             async with s.post(url + "/v1/completions", json={"prompt": "hi there", "max_tokens": 2}) as r:
                 assert r.status == 200
-    assert not router.core.backends[1].healthy and router.core.backends[0].healthy
+    assert not router.state.backends[1].healthy and router.state.backends[0].healthy
     assert counters_zero(router)
 
 
@@ -215,7 +215,7 @@ async def test_client_disconnect_cancels_upstream(cluster: Cluster, tokenizer: T
         r.close()  # drop the connection mid-stream
     assert await eventually(lambda: eng.model.stats().running == 0 and eng.model.stats().waiting == 0)
     assert await eventually(lambda: counters_zero(router))
-    assert router.core.counters.cancelled == 1
+    assert router.state.counters.cancelled == 1
 
 
 async def test_all_backends_down_503(cluster: Cluster, tokenizer: Tokenizer) -> None:
@@ -244,8 +244,8 @@ async def test_scrapes_read_filtered_and_whole_metric_pages(cluster: Cluster, to
         await cluster.start_router(tokenizer, extra=(BackendSpec(fake_url),), scrape_interval_s=0.05)
         router = cluster.router
         assert router is not None
-        assert await eventually(lambda: all(b.scraped is not None for b in router.core.backends))
+        assert await eventually(lambda: all(b.scraped is not None for b in router.state.backends))
         assert fake.metrics_queries and all("vllm:num_requests_running" in q for q in fake.metrics_queries)
-        assert all(b.scraped is not None and b.scraped.running == 0 for b in router.core.backends)
+        assert all(b.scraped is not None and b.scraped.running == 0 for b in router.state.backends)
     finally:
         await fake.stop()

@@ -16,14 +16,14 @@ from kvroute.features.coldstart import ColdStartConfig
 from kvroute.features.hotspot import HotspotConfig
 from kvroute.features.loadadapt import LoadAdaptiveConfig
 from kvroute.features.settings import FeatureConfig
-from kvroute.server.admin import spec_from_body
 from kvroute.server.app import RouterServer
-from kvroute.server.backends import ACTIVE, DRAINING, REMOVED, Lease
 from kvroute.server.config import BackendSpec, RouterConfig
-from kvroute.server.discovery import Discovery, DnsSource, FileSource, make_source
-from kvroute.server.exporter import render_metrics
-from kvroute.server.fleet import STATIC
-from kvroute.server.validate import ApiError
+from kvroute.server.observe.exporter import render_metrics
+from kvroute.server.state.backends import ACTIVE, DRAINING, REMOVED, Lease
+from kvroute.server.sync.admin import spec_from_body
+from kvroute.server.sync.discovery import Discovery, DnsSource, FileSource, make_source
+from kvroute.server.sync.fleet import STATIC
+from kvroute.server.wire.validate import ApiError
 from kvroute.tokenizer import Tokenizer
 
 from .fakes import FakeTransport, Scripted
@@ -38,12 +38,12 @@ def make_server(tokenizer: Tokenizer, *specs: BackendSpec, **kw: object) -> Rout
 
 
 def states(server: RouterServer) -> list[tuple[int, str, str]]:
-    return [(b.index, b.url, b.state) for b in server.core.backends]
+    return [(b.index, b.url, b.state) for b in server.state.backends]
 
 
 def test_reconcile_adds_unhealthy_then_drains_and_removes_idle(tokenizer: Tokenizer) -> None:
     server = make_server(tokenizer, BackendSpec(A), BackendSpec(B))
-    core, fleet = server.core, server.fleet
+    core, fleet = server.state, server.fleet
     changes = server.reconcile([BackendSpec(A), BackendSpec(C, "tcp://c:5557")])
     assert changes.added == (C,) and changes.drained == (B,)
     assert states(server) == [(0, A, ACTIVE), (1, B, REMOVED), (2, C, ACTIVE)]
@@ -56,7 +56,7 @@ def test_reconcile_adds_unhealthy_then_drains_and_removes_idle(tokenizer: Tokeni
 
 def test_removal_waits_for_in_flight_then_clears_the_kv_view(tokenizer: Tokenizer) -> None:
     server = make_server(tokenizer, BackendSpec(A), BackendSpec(B))
-    core, fleet = server.core, server.fleet
+    core, fleet = server.state, server.fleet
     core.kv.on_routed(1, CHAIN, 0.0)
     assert core.kv.match(CHAIN, 0.0)[1] == 3
     lease = Lease(core.backends[1], 100, 3)
@@ -74,7 +74,7 @@ def test_removal_waits_for_in_flight_then_clears_the_kv_view(tokenizer: Tokenize
 
 def test_draining_backend_is_no_candidate_and_comes_back_when_listed_again(tokenizer: Tokenizer) -> None:
     server = make_server(tokenizer, BackendSpec(A), BackendSpec(B))
-    core = server.core
+    core = server.state
     lease = Lease(core.backends[1], 10)
     server.reconcile([BackendSpec(A)])
     assert [b.url for b in core.backends if b.routable] == [A]
@@ -87,7 +87,7 @@ def test_draining_backend_is_no_candidate_and_comes_back_when_listed_again(token
 
 def test_index_is_never_reused_and_the_load_slot_is(tokenizer: Tokenizer) -> None:
     server = make_server(tokenizer, BackendSpec(A), BackendSpec(B))
-    core = server.core
+    core = server.state
     slot = core.backends[1].slot
     server.reconcile([BackendSpec(A)])
     server.reconcile([BackendSpec(A), BackendSpec(B)])
@@ -97,7 +97,7 @@ def test_index_is_never_reused_and_the_load_slot_is(tokenizer: Tokenizer) -> Non
 
 def test_kv_events_change_is_an_update_that_switches_the_view(tokenizer: Tokenizer) -> None:
     server = make_server(tokenizer, BackendSpec(A), BackendSpec(B))
-    core = server.core
+    core = server.state
     core.kv.on_routed(1, CHAIN, 0.0)
     changes = server.reconcile([BackendSpec(A), BackendSpec(B, "tcp://b:5557")])
     assert changes.updated == (B,) and changes.resubscribed == (B,) and not changes.added
@@ -106,7 +106,7 @@ def test_kv_events_change_is_an_update_that_switches_the_view(tokenizer: Tokeniz
     assert core.kv.match(CHAIN, core.clock())[1] == 3
     changes = server.reconcile([BackendSpec(A), BackendSpec(B, tags=("spot",))])
     assert changes.resubscribed == (B,) and core.kv.mode(1, core.clock()) == "approx"
-    assert core._tags == {1: frozenset({"spot"})}
+    assert core.tags == {1: frozenset({"spot"})}
     assert not server.reconcile([BackendSpec(A), BackendSpec(B, tags=("spot",))])
 
 
@@ -114,19 +114,19 @@ def test_sources_combine_and_static_ones_survive_discovery(tokenizer: Tokenizer)
     server = make_server(tokenizer, BackendSpec(A))
     fleet = server.fleet
     assert fleet.set_source("dns://x:1", [BackendSpec(B), BackendSpec(A, "tcp://a:1")]) is not None
-    assert [b.url for b in server.core.live_backends()] == [A, B]
-    assert server.core.specs[0].kv_events is None  # static first: its spec wins
+    assert [b.url for b in server.state.live_backends()] == [A, B]
+    assert server.state.specs[0].kv_events is None  # static first: its spec wins
     assert fleet.set_source("dns://x:1", [BackendSpec(B), BackendSpec(A, "tcp://a:1")]) is None
     changes = fleet.set_source("dns://x:1", [])
     assert changes is not None and changes.drained == (B,)
-    assert [b.url for b in server.core.live_backends()] == [A]
+    assert [b.url for b in server.state.live_backends()] == [A]
     fleet.forget(A)
     assert fleet.sources[STATIC] == ()
 
 
 def test_apply_config_swaps_policy_keeps_kv_view_and_rejects_bad_features(tokenizer: Tokenizer) -> None:
     server = make_server(tokenizer, BackendSpec(A), BackendSpec(B))
-    core = server.core
+    core = server.state
     core.kv.on_routed(0, CHAIN, 0.0)
     lease = Lease(core.backends[0], 5)
     kv = core.kv
@@ -251,7 +251,7 @@ async def test_discovery_poll_reconciles(tokenizer: Tokenizer) -> None:
     server = make_server(tokenizer, BackendSpec(A), discover=("dns://x:1",))
     disc = Discovery(server.config, server.fleet, resolve)
     await disc.poll(disc.sources[0])
-    assert [b.url for b in server.core.live_backends()] == [
+    assert [b.url for b in server.state.live_backends()] == [
         A,
         "http://127.0.0.1:9001",
         "http://127.0.0.1:9002",
@@ -264,7 +264,7 @@ async def test_a_backend_added_at_runtime_enters_through_cold_start(tokenizer: T
     )
     transport = FakeTransport({A: [Scripted()], C: [Scripted(status=503), Scripted()]})
     server = RouterServer(cfg, transport=transport, tokenizer=tokenizer, background=False)
-    core = server.core
+    core = server.state
     state = server.fleet.add(BackendSpec(C))
     guard = core.guard
     assert guard is not None and guard.warmup is not None

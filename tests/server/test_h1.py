@@ -10,8 +10,8 @@ import pytest
 from aiohttp import web
 
 from kvroute.server.cluster import free_port
-from kvroute.server.h1 import H1Transport
-from kvroute.server.transport import UpstreamBrokenError, UpstreamConnectError
+from kvroute.server.wire.h1 import H1Transport
+from kvroute.server.wire.transport import UpstreamBrokenError, UpstreamConnectError
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvroute.server.journal import AdminJournal
+from kvroute.server.sync.journal import AdminJournal
 
 
 def test_each_process_sees_the_others_changes_in_order_not_its_own(tmp_path: Path) -> None:

@@ -63,4 +63,4 @@ async def test_bench_through_router_reports_sim_fields(tokenizer: Tokenizer, blo
     assert 0 < out["ttft_ms"]["p50"] <= out["ttft_ms"]["p99"] <= out["e2e_ms"]["p99"]
     # Chat turns share system prompts and earlier turns: the engines report cache hits.
     assert out["kv_hit_rate"] > 0.2
-    assert all(b.waiting == 0 and b.running == 0 for b in router.core.backends)
+    assert all(b.waiting == 0 and b.running == 0 for b in router.state.backends)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvroute.server.loadtable import LoadTable, SharedTableSpec
+from kvroute.server.state.loadtable import LoadTable, SharedTableSpec
 
 
 def test_slots_are_assigned_by_url_and_stable() -> None:

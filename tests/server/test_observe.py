@@ -17,7 +17,7 @@ from aiohttp import web
 
 from kvroute.server.app import RouterServer
 from kvroute.server.config import BackendSpec, RouterConfig
-from kvroute.server.exporter import render_metrics
+from kvroute.server.observe.exporter import render_metrics
 from kvroute.tokenizer import Tokenizer
 
 from .test_e2e import Cluster, eventually
@@ -85,7 +85,7 @@ async def _router(specs: tuple[BackendSpec, ...], tokenizer: Tokenizer, **kw: An
     cfg = RouterConfig(backends=specs, port=0, health_interval_s=0.2, **kw)
     router = RouterServer(cfg, tokenizer=tokenizer)
     await router.start()
-    await eventually(lambda: all(b.healthy for b in router.core.backends))
+    await eventually(lambda: all(b.healthy for b in router.state.backends))
     return router
 
 
@@ -275,7 +275,7 @@ async def test_otel_spans_and_traceparent(tokenizer: Tokenizer) -> None:
     client_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
     client_span = "00f067aa0ba902b7"
     try:
-        await eventually(lambda: router.core.backends[0].healthy)
+        await eventually(lambda: router.state.backends[0].healthy)
         async with aiohttp.ClientSession() as s:
             hdr = {"traceparent": f"00-{client_trace}-{client_span}-01", "x-request-id": "traced"}
             async with s.post(

@@ -1,4 +1,4 @@
-"""Router replicas sharing reservations (kvroute.server.peers): the receiver's state machine under a
+"""Router replicas sharing reservations (kvroute.server.sync.peers): the receiver's state machine under a
 fake clock, the publisher's hook on the load table, both over real ZMQ sockets on loopback, the
 pick-and-reserve step, and the flags."""
 
@@ -12,11 +12,11 @@ import pytest
 from kvroute.cli import main
 from kvroute.errors import UserError
 from kvroute.server.app import RouterServer
-from kvroute.server.backends import BackendState, Lease
 from kvroute.server.cluster import free_port
 from kvroute.server.config import BackendSpec, RouterConfig
-from kvroute.server.loadtable import LoadTable
-from kvroute.server.peers import (
+from kvroute.server.state.backends import BackendState, Lease
+from kvroute.server.state.loadtable import LoadTable
+from kvroute.server.sync.peers import (
     PROTOCOL,
     Bye,
     Delta,
@@ -228,24 +228,28 @@ async def test_publisher_to_receiver_over_zmq() -> None:
         rec_b.close()
 
 
-async def test_pick_and_reservation_are_one_step(tokenizer: Tokenizer) -> None:
-    """Between the routing decision (RouterCore.plan) and the Lease (and so its announcement) the
+async def test_pick_and_reservation_are_one_step(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the routing decision (the decide stage) and the Lease (and so its announcement) the
     handler never yields to the event loop: a callback queued at the decision already sees the lease."""
+    from kvroute.server import pipeline
+
     t = FakeTransport({U1: [Scripted()], U2: [Scripted()]})
     cfg = RouterConfig(backends=(BackendSpec(U1), BackendSpec(U2)), port=0)
     server = RouterServer(cfg, transport=t, tokenizer=tokenizer, background=False)
     await server.start()
     seen: list[int] = []
-    core = server.core
-    plan = core.plan
+    core = server.state
+    decide = pipeline.decide
 
-    def spying_plan(*args: object, **kw: object):  # type: ignore[no-untyped-def]
-        out = plan(*args, **kw)  # type: ignore[arg-type]
+    def spying_decide(*args: object, **kw: object):  # type: ignore[no-untyped-def]
+        out = decide(*args, **kw)  # type: ignore[arg-type]
         chosen = core.backends[out.order[0]]
         asyncio.get_running_loop().call_soon(lambda: seen.append(chosen.waiting + chosen.running))
         return out
 
-    core.plan = spying_plan  # type: ignore[method-assign]
+    monkeypatch.setattr(pipeline, "decide", spying_decide)
     try:
         import aiohttp
 

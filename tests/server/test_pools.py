@@ -57,7 +57,7 @@ class Fleet:
         cfg = RouterConfig(backends=tuple(self.specs), port=0, health_interval_s=0.2, **kw)  # type: ignore[arg-type]
         self.router = RouterServer(cfg, tokenizer=tokenizer)
         url = await self.router.start()
-        pools = self.router.core.pools
+        pools = self.router.state.pools
         assert await eventually(lambda: all(pools.served_by(i) is not None for i in range(len(self.specs))))
         return url
 
@@ -84,7 +84,7 @@ async def eventually(cond, timeout_s: float = 5.0) -> bool:  # type: ignore[no-u
 
 
 def sent(router: RouterServer) -> list[int]:
-    return [b.requests_total for b in router.core.backends]
+    return [b.requests_total for b in router.state.backends]
 
 
 async def complete(
@@ -98,7 +98,7 @@ async def complete(
 def predicted(router: RouterServer, backend: int, ids: Sequence[int], adapter: str | None = None) -> int:
     """The router's exact KV view's cached prefix of ``ids`` on ``backend``, tokens (as it plans)."""
     chain = hash_blocks(ids, BS, extra_key(adapter))
-    matched = router.core.kv.match(chain, router.core.clock())[backend]
+    matched = router.state.kv.match(chain, router.state.clock())[backend]
     return min(matched, (len(ids) - 1) // BS) * BS
 
 
@@ -143,7 +143,7 @@ async def test_two_model_fleet_with_an_sglang_backend(fleet: Fleet, tokenizer: T
         # Load from SGLang's names: the engine kind is detected, a long request is seen running.
         assert await eventually(lambda: router.monitor.engines == {0: "vllm", 1: "vllm", 2: "sglang"})
         task = asyncio.create_task(complete(s, url, "beta", [7] * 40, max_tokens=2000))
-        state = router.core.backends[2]
+        state = router.state.backends[2]
         assert await eventually(lambda: beta.model.stats().running == 1)
         assert await eventually(lambda: state.scraped is not None and state.scraped.running == 1)
         assert state.scraped is not None and state.scraped.num_kv_blocks == 4096
@@ -162,7 +162,7 @@ async def test_lora_adapter_pool_and_cache_key(fleet: Fleet, tokenizer: Tokenize
     url = await fleet.start(tokenizer, policy="lmetric")
     router = fleet.router
     assert router is not None
-    assert router.core.pools.is_adapter("sql") and not router.core.pools.is_adapter("base")
+    assert router.state.pools.is_adapter("sql") and not router.state.pools.is_adapter("base")
     ids = tokenizer.encode("SELECT name, price FROM products WHERE price > 10 ORDER BY price; " * 10)
     full = len(ids) // BS * BS
     async with aiohttp.ClientSession() as s:
@@ -195,9 +195,9 @@ async def test_declared_models_need_no_listing(fleet: Fleet, tokenizer: Tokenize
     url = await fleet.start(tokenizer, eject_after=1)
     router = fleet.router
     assert router is not None
-    served = router.core.pools.served_by(0)
+    served = router.state.pools.served_by(0)
     assert served is not None and served.declared
-    assert await eventually(lambda: not router.core.backends[1].healthy)
+    assert await eventually(lambda: not router.state.backends[1].healthy)
     async with aiohttp.ClientSession() as s:
         status, body = await complete(s, url, "omega", [1, 2, 3])
         assert status == 503 and "omega" in body["error"]["message"]

@@ -11,10 +11,10 @@ from kvroute.engine.types import BlockRemoved, BlockStored
 from kvroute.errors import UserError
 from kvroute.kvevents import decode_batch, encode_batch, page_hashes
 from kvroute.routing.kvview import KVView
-from kvroute.server.backends import BackendState
-from kvroute.server.engines import parse_metrics, parse_sglang_metrics
-from kvroute.server.pools import ModelPools, ServedModels, parse_model_list
-from kvroute.server.validate import ApiError
+from kvroute.server.state.backends import BackendState
+from kvroute.server.state.pools import ModelPools, ServedModels, parse_model_list
+from kvroute.server.sync.engines import parse_metrics, parse_sglang_metrics
+from kvroute.server.wire.validate import ApiError
 
 SGLANG_PAGE = b"""# HELP sglang:num_running_reqs The number of running requests.
 # TYPE sglang:num_running_reqs gauge

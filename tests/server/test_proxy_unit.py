@@ -34,7 +34,7 @@ async def start(transport: FakeTransport, tokenizer: Tokenizer, *urls: str, **kw
 def counters_zero(server: RouterServer) -> bool:
     return all(
         b.waiting == 0 and b.running == 0 and b.queued_prefill == 0 and b.blocks == 0
-        for b in server.core.backends
+        for b in server.state.backends
     )
 
 
@@ -54,8 +54,8 @@ async def test_connect_error_retries_next_best_and_ejects(tokenizer: Tokenizer) 
         status, _, body = await post(server.url, BODY)
         assert status == 200 and body.endswith(b"data: [DONE]\n\n")
         assert [c[0] for c in t.calls] == [A, B]
-        assert not server.core.backends[0].healthy and server.core.backends[1].healthy
-        assert server.core.counters.retries == 1
+        assert not server.state.backends[0].healthy and server.state.backends[1].healthy
+        assert server.state.counters.retries == 1
         assert counters_zero(server)
     finally:
         await server.stop()
@@ -84,7 +84,7 @@ async def test_break_after_first_byte_ends_with_error_event(tokenizer: Tokenizer
         assert orjson.loads(events[1][len(b"data: ") :])["error"]["type"] == "upstream_error"
         assert events[-1] == b"data: [DONE]"
         assert len(t.calls) == 1  # no retry after the first byte
-        assert server.core.counters.upstream_errors == 1
+        assert server.state.counters.upstream_errors == 1
         assert counters_zero(server)
     finally:
         await server.stop()
@@ -112,7 +112,7 @@ async def test_retryable_status_goes_to_next_backend(tokenizer: Tokenizer) -> No
     try:
         status, _, _ = await post(server.url, BODY)
         assert status == 200 and [c[0] for c in t.calls] == [A, B]
-        assert server.core.backends[0].healthy  # a 503 answer is not a dead backend
+        assert server.state.backends[0].healthy  # a 503 answer is not a dead backend
     finally:
         await server.stop()
 
@@ -200,10 +200,10 @@ async def test_client_disconnect_aborts_upstream(tokenizer: Tokenizer) -> None:
         async with aiohttp.ClientSession() as s:
             task = asyncio.create_task(s.post(server.url + "/v1/completions", json=BODY))
             for _ in range(200):
-                if server.core.backends[0].waiting == 1:
+                if server.state.backends[0].waiting == 1:
                     break
                 await asyncio.sleep(0.01)
-            assert server.core.backends[0].waiting == 1
+            assert server.state.backends[0].waiting == 1
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
@@ -243,7 +243,7 @@ async def test_health_and_metrics_endpoints(tokenizer: Tokenizer) -> None:
             assert set(stages) == {"parse", "split", "tokenize", "hash", "plan"}
             assert all(v > 0 for v in stages.values())
             assert sum(stages.values()) == pytest.approx(total, rel=1e-6)
-            server.core.backends[0].eject()
+            server.state.backends[0].eject()
             async with s.get(server.url + "/health") as r:
                 assert r.status == 503
     finally:
@@ -253,8 +253,9 @@ async def test_health_and_metrics_endpoints(tokenizer: Tokenizer) -> None:
 async def test_long_prompt_tokenized_off_loop_routes_like_inline(tokenizer: Tokenizer) -> None:
     """A prompt over OFFLOAD_CHARS goes through the tokenizer thread; the routing state it leaves
     (the approximate KV view of the chosen backend) equals what the inline path computes."""
-    from kvroute.server.proxy import OFFLOAD_CHARS
-    from kvroute.server.validate import parse_request
+    from kvroute.server.stages.decide import decide
+    from kvroute.server.stages.prepare import OFFLOAD_CHARS, prepare_inline
+    from kvroute.server.wire.validate import parse_request
 
     long_body = {**BODY, "prompt": "the quick brown fox jumps " * (OFFLOAD_CHARS // 20)}
     assert len(long_body["prompt"]) >= OFFLOAD_CHARS
@@ -263,8 +264,9 @@ async def test_long_prompt_tokenized_off_loop_routes_like_inline(tokenizer: Toke
     try:
         status, _, _ = await post(server.url, long_body)
         assert status == 200
-        inline = server.core.plan(parse_request(orjson.dumps(long_body), chat=False))
-        assert server.core.kv.match(inline.chain, server.core.clock())[0] == len(inline.chain) > 0
+        parsed = parse_request(orjson.dumps(long_body), chat=False)
+        inline = decide(server.state, parsed, prepare_inline(server.state, parsed))
+        assert server.state.kv.match(inline.chain, server.state.clock())[0] == len(inline.chain) > 0
         assert counters_zero(server)
     finally:
         await server.stop()
@@ -283,7 +285,7 @@ async def test_deferred_tokenization_corrects_view_and_counters_in_flight(tokeni
     in the chosen backend's KV view and sets its queued prefill to the exact count; counters end at
     zero."""
     from kvroute.blocks import hash_blocks
-    from kvroute.server.proxy import DEFER_CHARS
+    from kvroute.server.stages.prepare import DEFER_CHARS, defers
 
     prompt = "a completely new document about routing and caches " * (2 * DEFER_CHARS // 50)
     ids = tokenizer.encode(prompt)
@@ -291,19 +293,19 @@ async def test_deferred_tokenization_corrects_view_and_counters_in_flight(tokeni
     gate = asyncio.Event()
     t = FakeTransport({A: [Scripted(gate=gate)]})
     server = await start(t, tokenizer, A, tokenize="defer")
-    assert server.core.defer_tokenize
+    assert defers(server.state)
     try:
         req = asyncio.create_task(post(server.url, {**BODY, "prompt": prompt}))
-        backend = server.core.backends[0]
+        backend = server.state.backends[0]
         await _until(lambda: backend.waiting == 1)
-        await _until(lambda: server.core.kv.match(chain, server.core.clock())[0] == len(chain))
+        await _until(lambda: server.state.kv.match(chain, server.state.clock())[0] == len(chain))
         assert backend.queued_prefill == len(ids)  # nothing was cached: the whole prompt is new
         gate.set()
         status, _, body = await req
         assert status == 200 and body.endswith(b"data: [DONE]\n\n")
         assert counters_zero(server)
         # the second time, the text is known: routed on exact blocks, no estimate
-        pending = server.core.tokenizer.split_prompt(prompt)
+        pending = server.state.tokenizer.split_prompt(prompt)
         assert pending.tail_chars < DEFER_CHARS and len(pending.known) >= len(ids) - 200
     finally:
         gate.set()  # never leave the handler hanging (the server would wait for it on stop)
@@ -312,7 +314,7 @@ async def test_deferred_tokenization_corrects_view_and_counters_in_flight(tokeni
 
 async def test_exact_tokenization_records_whole_chain_before_sending(tokenizer: Tokenizer) -> None:
     from kvroute.blocks import hash_blocks
-    from kvroute.server.proxy import DEFER_CHARS
+    from kvroute.server.stages.prepare import DEFER_CHARS
 
     prompt = "another brand new text for the exact mode " * (2 * DEFER_CHARS // 40)
     chain = hash_blocks(tokenizer.encode(prompt), 16)
@@ -322,7 +324,7 @@ async def test_exact_tokenization_records_whole_chain_before_sending(tokenizer: 
     try:
         req = asyncio.create_task(post(server.url, {**BODY, "prompt": prompt}))
         await _until(lambda: len(t.calls) == 1)  # sent: the chain was already recorded
-        assert server.core.kv.match(chain, server.core.clock())[0] == len(chain)
+        assert server.state.kv.match(chain, server.state.clock())[0] == len(chain)
         gate.set()
         assert (await req)[0] == 200
         assert counters_zero(server)
@@ -344,7 +346,7 @@ async def test_exact_backend_keeps_routing_history_for_a_later_event_gap(tokeniz
     await server.start()
     try:
         assert (await post(server.url, {**BODY, "prompt": prompt}))[0] == 200
-        kv, now = server.core.kv, server.core.clock()
+        kv, now = server.state.kv, server.state.clock()
         assert kv.mode(0, now) == "exact" and kv.match(chain, now)[0] == 0  # no events came: nothing exact
         kv.reset(0, now)  # an event gap that could not be replayed
         assert kv.mode(0, now) == "recovering" and kv.match(chain, now)[0] == len(chain)
@@ -359,10 +361,10 @@ async def test_deferred_tail_waits_for_the_first_byte(
     once the first byte was relayed (the router's work does not hold up the first token), then the
     view has the whole chain and the text is in the token cache."""
     from kvroute.blocks import hash_blocks
-    from kvroute.server import proxy
-    from kvroute.server.proxy import DEFER_CHARS
+    from kvroute.server.stages import prepare
+    from kvroute.server.stages.prepare import DEFER_CHARS
 
-    monkeypatch.setattr(proxy, "TAIL_GRACE_S", 60.0)
+    monkeypatch.setattr(prepare, "TAIL_GRACE_S", 60.0)
     prompt = "a first byte comes before the tail is tokenized " * (2 * DEFER_CHARS // 45)
     chain = hash_blocks(tokenizer.encode(prompt), 16)
     gate = asyncio.Event()
@@ -372,12 +374,12 @@ async def test_deferred_tail_waits_for_the_first_byte(
         req = asyncio.create_task(post(server.url, {**BODY, "prompt": prompt}))
         await _until(lambda: len(t.calls) == 1)
         await asyncio.sleep(0.05)
-        assert server.core.kv.match(chain, server.core.clock())[0] < len(chain)  # not tokenized yet
-        assert server.core.tokenizer.split_prompt(prompt).tail_chars >= DEFER_CHARS
+        assert server.state.kv.match(chain, server.state.clock())[0] < len(chain)  # not tokenized yet
+        assert server.state.tokenizer.split_prompt(prompt).tail_chars >= DEFER_CHARS
         gate.set()
         assert (await req)[0] == 200
-        await _until(lambda: server.core.kv.match(chain, server.core.clock())[0] == len(chain))
-        assert server.core.tokenizer.split_prompt(prompt).tail_chars < DEFER_CHARS
+        await _until(lambda: server.state.kv.match(chain, server.state.clock())[0] == len(chain))
+        assert server.state.tokenizer.split_prompt(prompt).tail_chars < DEFER_CHARS
         assert counters_zero(server)
     finally:
         gate.set()
@@ -389,18 +391,20 @@ async def test_deferred_tail_after_shutdown_is_dropped_quietly(tokenizer: Tokeni
     shut down) is dropped without raising out of the event loop's callback."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvroute.server.proxy import OFFLOAD_CHARS, _Tail
-    from kvroute.server.validate import parse_request
+    from kvroute.server.stages.decide import decide
+    from kvroute.server.stages.prepare import OFFLOAD_CHARS, Tail, prepare_inline
+    from kvroute.server.wire.validate import parse_request
 
     server = await start(FakeTransport({A: []}), tokenizer, A, tokenize="defer")
     try:
         prompt = "text for a stopping router " * (OFFLOAD_CHARS // 20)
-        pending = server.core.tokenizer.split_prompt(prompt)
+        pending = server.state.tokenizer.split_prompt(prompt)
         assert pending.tail_chars >= OFFLOAD_CHARS
-        plan = server.core.plan(parse_request(orjson.dumps({**BODY, "prompt": "short"}), chat=False))
+        parsed = parse_request(orjson.dumps({**BODY, "prompt": "short"}), chat=False)
+        plan = decide(server.state, parsed, prepare_inline(server.state, parsed))
         pool = ThreadPoolExecutor(max_workers=1)
         pool.shutdown()
-        tail = _Tail(server.core, plan, pool, pending, None)
+        tail = Tail(server.state, plan.cached_blocks, pool, pending, None)
         tail.run()
         tail.run()  # once only
         assert tail.chain is None

@@ -21,7 +21,7 @@ import pytest
 
 import kvroute
 from kvroute.server.cluster import free_port
-from kvroute.server.exporter import render_metrics
+from kvroute.server.observe.exporter import render_metrics
 from kvroute.tokenizer import Tokenizer
 
 from .test_e2e import Cluster, counters_zero, eventually
@@ -222,7 +222,7 @@ async def test_shutdown_in_process_grace_refusal_and_drain(engines: Cluster, tok
         assert await asyncio.wait_for(shutdown, 10) == 2
     engines.router = None  # stopped by the shutdown
     assert counters_zero(router) and router.proxy.inflight == 0
-    c = router.core.counters
+    c = router.state.counters
     assert (c.drained, c.cancelled, c.ok, c.unavailable) == (2, 0, 2, 1)
     assert 'kvroute_requests_total{outcome="drained"} 2.0' in render_metrics(router.registry).decode()
 
@@ -245,4 +245,4 @@ async def test_second_signal_ends_the_drain_at_once(engines: Cluster, tokenizer:
         rest = await r.content.read()
     engines.router = None
     assert rest.rstrip().endswith(b"data: [DONE]") and b'"service_unavailable"' in rest
-    assert counters_zero(router) and router.core.counters.drained == 1
+    assert counters_zero(router) and router.state.counters.drained == 1

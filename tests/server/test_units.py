@@ -17,11 +17,11 @@ from kvroute.commands.settings import config_from_mapping, load_config_file
 from kvroute.engine.types import AllBlocksCleared, BlockRemoved, BlockStored
 from kvroute.errors import UserError
 from kvroute.kvevents import END_SEQ, encode_batch, encode_seq
+from kvroute.prepare.events import EventSubscriber
 from kvroute.routing.kvview import KVView
-from kvroute.server.backends import BackendState, Lease, ScrapedMetrics, parse_vllm_metrics
 from kvroute.server.config import BackendSpec, RouterConfig
-from kvroute.server.events import EventSubscriber
-from kvroute.server.proxy import extract_cached_tokens
+from kvroute.server.state.backends import BackendState, Lease, ScrapedMetrics, parse_vllm_metrics
+from kvroute.server.wire.http import extract_cached_tokens
 
 # ---- config --------------------------------------------------------------------------------------
 
@@ -297,7 +297,7 @@ async def test_gap_is_filled_from_replay_socket() -> None:
     )
 )
 def test_segmented_prompt_tokens_equal_whole_prompt_tokens(tokenizer: object, parts: list[str]) -> None:
-    from kvroute.server.tokenize import RequestTokenizer
+    from kvroute.prepare.tokenize import RequestTokenizer
 
     rt = RequestTokenizer(tokenizer, cache_entries=100)  # type: ignore[arg-type]
     text = "".join(parts) * 3
@@ -305,7 +305,7 @@ def test_segmented_prompt_tokens_equal_whole_prompt_tokens(tokenizer: object, pa
 
 
 def test_segments_are_shared_by_equal_prefixes(tokenizer: object) -> None:
-    from kvroute.server.tokenize import RequestTokenizer, split_points
+    from kvroute.prepare.tokenize import RequestTokenizer, split_points
 
     rt = RequestTokenizer(tokenizer, cache_entries=100)  # type: ignore[arg-type]
     base = "alpha beta gamma delta " * 200
@@ -319,7 +319,7 @@ def test_segments_are_shared_by_equal_prefixes(tokenizer: object) -> None:
 
 def test_split_then_finish_equals_tokenizing_at_once(tokenizer: object) -> None:
     """Chats and prompts, partly cached: ``known`` is the cached leading part, ``finish`` the whole."""
-    from kvroute.server.tokenize import RequestTokenizer
+    from kvroute.prepare.tokenize import RequestTokenizer
 
     rt = RequestTokenizer(tokenizer, cache_entries=1000)  # type: ignore[arg-type]
     tok = rt.tokenizer
@@ -349,7 +349,7 @@ def test_split_then_finish_equals_tokenizing_at_once(tokenizer: object) -> None:
 
 
 def test_tail_estimate_is_close_for_english_text(tokenizer: object) -> None:
-    from kvroute.server.tokenize import RequestTokenizer
+    from kvroute.prepare.tokenize import RequestTokenizer
 
     rt = RequestTokenizer(tokenizer, cache_entries=1000)  # type: ignore[arg-type]
     for i in range(5):  # the ratio is learned from what was tokenized
@@ -398,7 +398,7 @@ async def test_subscriber_drains_a_burst_in_order() -> None:
 def test_lease_holds_the_request_blocks_until_release_and_the_view_reads_them() -> None:
     """The decode term moves with the router's own traffic: a lease's blocks count from routing to its
     end (not only while waiting), and the view reports the larger of them and the engine's usage."""
-    from kvroute.server.backends import BackendState, Lease, ScrapedMetrics
+    from kvroute.server.state.backends import BackendState, Lease, ScrapedMetrics
 
     b = BackendState(0, "http://x:1")
     lease = Lease(b, 100, blocks=7)

@@ -214,26 +214,30 @@ def test_a_decision_in_one_worker_sees_the_load_another_reserved(tokenizer: Toke
     import orjson
 
     from kvroute.policies.registry import make_policy
-    from kvroute.server.backends import Lease
+    from kvroute.prepare.tokenize import RequestTokenizer
     from kvroute.server.config import BackendSpec, RouterConfig
-    from kvroute.server.loadtable import LoadTable
-    from kvroute.server.router import RouterCore
-    from kvroute.server.tokenize import RequestTokenizer
-    from kvroute.server.validate import parse_request
+    from kvroute.server.stages.decide import decide
+    from kvroute.server.stages.prepare import prepare_inline
+    from kvroute.server.state.backends import Lease
+    from kvroute.server.state.loadtable import LoadTable
+    from kvroute.server.state.router import RouterState
+    from kvroute.server.wire.validate import parse_request
 
     lock = mp.get_context("spawn").Lock()
     parent, spec = LoadTable.create_shared(3, lock, slots=8)
     tables = [LoadTable.attach(spec, k, lock) for k in (1, 2)]
     try:
         cfg = RouterConfig(backends=(BackendSpec("http://a:1"), BackendSpec("http://b:1")))
-        a, b = (RouterCore(cfg, RequestTokenizer(tokenizer), make_policy("lmetric"), table=t) for t in tables)
+        a, b = (
+            RouterState(cfg, RequestTokenizer(tokenizer), make_policy("lmetric"), table=t) for t in tables
+        )
         req = parse_request(orjson.dumps({"model": "m", "prompt": "same prompt " * 40}), chat=False)
-        first = a.plan(req).order[0]
+        first = decide(a, req, prepare_inline(a, req)).order[0]
         leases = [Lease(a.backends[first], 500) for _ in range(8)]
         view = b.backends[first].view(0.0, 1.0)
         assert (view.waiting, view.queued_prefill_tokens) == (8, 4000)
         assert b.backends[first].waiting == 0  # b's own row is untouched
-        assert b.plan(req).order[0] != first
+        assert decide(b, req, prepare_inline(b, req)).order[0] != first
         parent.clear_row(1)
         assert b.backends[first].view(0.0, 1.0).waiting == 0
         del leases

@@ -206,7 +206,7 @@ def test_detect_format(tmp_path: Path) -> None:
         detect_format(write_jsonl(tmp_path / "x.jsonl", [{"a": 1}]))
     with pytest.raises(UserError, match="no valid line"):
         detect_format(write_jsonl(tmp_path / "e.jsonl", ["", "nope"]))
-    assert set(TRACE_FORMATS) == {"mooncake", "bailian", "azure", "vllm-bench", "jsonl"}
+    assert set(TRACE_FORMATS) == {"mooncake", "bailian", "azure", "vllm-bench", "jsonl", "kvroute"}
 
 
 @needs_shared

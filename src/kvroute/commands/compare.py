@@ -419,7 +419,19 @@ def _plain_capacity_md(capacity: dict[str, Any]) -> str:
             f"| {p} | {'none' if rate is None else f'×{rate:.4g}'} | "
             f"{'none (ramp ended)' if failed is None else f'×{failed:.4g}'} |"
         )
+    lines += ["", best_at_slo(capacity["policies"])]
     return "\n".join(lines)
+
+
+def best_at_slo(policies: dict[str, Any]) -> str:
+    """One line naming the policy (or the tied policies) with the highest capacity at the SLO."""
+    rates = {p: c["rate"] for p, c in policies.items() if c["rate"] is not None}
+    if not rates:
+        return "No policy meets the SLO at any probed rate."
+    top = max(rates.values())
+    best = [p for p, r in rates.items() if r == top]
+    who = best[0] if len(best) == 1 else "tied: " + ", ".join(best)
+    return f"Best at this SLO: {who} (capacity ×{top:.4g}; the probes are the same for every policy)."
 
 
 def compare_command(

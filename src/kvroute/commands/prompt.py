@@ -45,7 +45,7 @@ def _read(name: str) -> tuple[str, Any]:
 def render(body: Any, where: str, tok: Any) -> tuple[str | None, list[int]]:
     """``(prompt text or None for token ids, token ids)`` of a body; UserError naming ``where``."""
     from kvroute.chat_template import ChatTemplateError, chat_options
-    from kvroute.server.validate import ApiError, parse_request
+    from kvroute.server.wire.validate import ApiError, parse_request
 
     try:
         req = parse_request(json.dumps(body).encode(), chat=isinstance(body, dict) and "messages" in body)

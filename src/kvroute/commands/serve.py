@@ -40,6 +40,7 @@ _SIMPLE = {
     "explain": "explain",
     "decisions_kept": "decisions_kept",
     "access_log": "access_log",
+    "record": "record",
     "otel": "otel",
 }
 
@@ -147,7 +148,7 @@ def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> N
 
 
 def add_peer_arguments(p: argparse.ArgumentParser) -> None:
-    """Router replicas sharing their reservations (kvroute.server.peers)."""
+    """Router replicas sharing their reservations (kvroute.server.sync.peers)."""
     g = p.add_argument_group("router replicas (also the config's peer_* keys)")
     g.add_argument(
         "--peer-bind",
@@ -175,7 +176,7 @@ def add_peer_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_observe_arguments(p: argparse.ArgumentParser) -> None:
-    """Seeing decisions (kvroute.server.observe)."""
+    """Seeing decisions (kvroute.server.observe.observer)."""
     g = p.add_argument_group("seeing decisions (also the config's explain, decisions_kept, ... keys)")
     g.add_argument(
         "--explain",
@@ -192,6 +193,12 @@ def add_observe_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--access-log", metavar="FILE", help="append one JSON line per request to FILE (- for stdout)"
+    )
+    p.add_argument(
+        "--record",
+        metavar="FILE",
+        help="write the routed traffic to FILE as a replayable trace (kvroute sim --trace FILE); "
+        "block chains and ids keyed with a secret per-file salt",
     )
     g.add_argument(
         "--shadow",
@@ -273,7 +280,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     more = {"workers": args.workers} if getattr(args, "workers", None) is not None else {}
     cfg = dataclasses.replace(base, backends=tuple(backends), **overrides(args), **more).validate()
     cfg = with_feature_flags(cfg, args)
-    from kvroute.server.discovery import make_source
+    from kvroute.server.sync.discovery import make_source
 
     for src in cfg.discover:
         make_source(src, cfg.discover_kv_events)  # fail early on a malformed source

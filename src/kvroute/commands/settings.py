@@ -515,7 +515,7 @@ def _backend_from(item: Any, where: str) -> BackendSpec:
 
 
 _ROUTER_FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
-_OPTIONAL_STR = ("tokenizer", "chat_template", "admin_token", "discover_kv_events", "access_log")
+_OPTIONAL_STR = ("tokenizer", "chat_template", "admin_token", "discover_kv_events", "access_log", "record")
 
 
 def config_from_mapping(data: Mapping[str, Any], where: str = "config") -> RouterConfig:
@@ -576,7 +576,7 @@ def backends_from_text(text: str, where: str) -> tuple[BackendSpec, ...]:
     (``#`` comments). Raises :class:`UserError` naming ``where``."""
     import yaml
 
-    from kvroute.server.discovery import parse_backends_text
+    from kvroute.server.sync.discovery import parse_backends_text
 
     try:
         data = yaml.safe_load(text)

@@ -15,5 +15,5 @@ The router logs and exports what they record; the simulator puts it in its JSON 
 :class:`kvroute.routing.guarded.Guarded` combines them around any registry policy. Which are on:
 :class:`.settings.FeatureConfig`. Their command-line flags and YAML section are read in
 :mod:`kvroute.commands.settings`; the router exports them to Prometheus in
-:mod:`kvroute.server.feature_metrics`.
+:mod:`kvroute.server.observe.feature_metrics`.
 """

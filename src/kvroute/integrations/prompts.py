@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvroute.blocks import hash_blocks
+from kvroute.prepare.tokenize import RequestTokenizer
 from kvroute.routing.core import RouteRequest
-from kvroute.server.tokenize import RequestTokenizer
 
 __all__ = ["PromptChains", "body_of"]
 

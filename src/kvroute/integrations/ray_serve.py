@@ -72,9 +72,9 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 from kvroute.integrations.inflight import InFlight, instance_view
 from kvroute.integrations.prompts import PromptChains, body_of
 from kvroute.integrations.ray_state import Load, Routed, SharedRoutingState
+from kvroute.prepare.tokenize import RequestTokenizer
 from kvroute.routing.core import Decision, RouteRequest, RoutingCore, build_policy
 from kvroute.routing.kvview import KVView
-from kvroute.server.tokenize import RequestTokenizer
 from kvroute.tokenizer import load_tokenizer
 
 __all__ = ["STATE_ACTOR_NAME", "KVRouteRequestRouter", "state_actor"]
@@ -281,7 +281,7 @@ class KVRouteRequestRouter(RequestRouter):
     def _subscribe(self, rid: str, idx: int, endpoint: str, replay: Any, now: float) -> None:
         import zmq.asyncio
 
-        from kvroute.server.events import EventSubscriber
+        from kvroute.prepare.events import EventSubscriber
 
         if self._zmq is None:
             self._zmq = zmq.asyncio.Context()

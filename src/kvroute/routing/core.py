@@ -1,7 +1,7 @@
 """The routing step: a request, the instance views, the KV view and the time → a :class:`Decision`.
 
-This is the only place where kvroute decides where a request goes. The live router
-(:mod:`kvroute.server.router`), the simulator (:mod:`kvroute.sim.cluster`), ``validate``
+This is the only place where kvroute decides where a request goes. The live router (its decide
+stage, :mod:`kvroute.server.stages.decide`), the simulator (:mod:`kvroute.sim.cluster`), ``validate``
 (:mod:`kvroute.sim.validate`) and adapters build a :class:`RoutingCore` and call :meth:`RoutingCore.route`;
 they gather the views and carry the decision out, nothing more.
 

@@ -5,9 +5,9 @@ binds the port (0 → a free one) and starts the background loops; ``await stop(
 ``await shutdown()`` drains first (what SIGTERM does, see :meth:`RouterServer.shutdown`).
 
 Backends that come and go: :meth:`RouterServer.reconcile` (a desired list, see
-:mod:`kvroute.server.fleet`), :meth:`RouterServer.apply_config` (a SIGHUP reload), the admin API
-(:mod:`kvroute.server.admin`, only with ``config.admin_token``) and discovery
-(:mod:`kvroute.server.discovery`, ``config.discover``).
+:mod:`kvroute.server.sync.fleet`), :meth:`RouterServer.apply_config` (a SIGHUP reload), the admin API
+(:mod:`kvroute.server.sync.admin`, only with ``config.admin_token``) and discovery
+(:mod:`kvroute.server.sync.discovery`, ``config.discover``).
 """
 
 from __future__ import annotations
@@ -25,27 +25,29 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from kvroute.policies.registry import make_policy
-from kvroute.server.admin import add_admin_routes, apply_journal_line
-from kvroute.server.backends import ACTIVE
+from kvroute.prepare.events import EventSubscriber
+from kvroute.prepare.tokenize import RequestTokenizer
 from kvroute.server.config import BackendSpec, RouterConfig
-from kvroute.server.dashboard import add_dashboard_routes
-from kvroute.server.debug import add_debug_routes
-from kvroute.server.discovery import Discovery, ParseBackends, Resolver
-from kvroute.server.events import EventSubscriber
-from kvroute.server.exporter import RouterCollector, render_metrics
-from kvroute.server.feature_metrics import FeatureCollector
-from kvroute.server.fleet import STATIC, Changes, Fleet
-from kvroute.server.h1 import H1Transport
-from kvroute.server.journal import AdminJournal
-from kvroute.server.loadtable import LoadTable
-from kvroute.server.monitor import Monitor
-from kvroute.server.observe import Observer
-from kvroute.server.peers import PeerCollector, PeerLink, PeerSettings
-from kvroute.server.proxy import Proxy, error_response
-from kvroute.server.router import RouterCore
-from kvroute.server.tokenize import RequestTokenizer
-from kvroute.server.transport import Transport, UpstreamError
-from kvroute.server.validate import ApiError
+from kvroute.server.observe.dashboard import add_dashboard_routes
+from kvroute.server.observe.debug import add_debug_routes
+from kvroute.server.observe.exporter import RouterCollector, render_metrics
+from kvroute.server.observe.feature_metrics import FeatureCollector
+from kvroute.server.observe.observer import Observer
+from kvroute.server.observe.recording import TrafficRecording
+from kvroute.server.pipeline import Proxy
+from kvroute.server.state.backends import ACTIVE
+from kvroute.server.state.loadtable import LoadTable
+from kvroute.server.state.router import RouterState
+from kvroute.server.sync.admin import add_admin_routes, apply_journal_line
+from kvroute.server.sync.discovery import Discovery, ParseBackends, Resolver
+from kvroute.server.sync.fleet import STATIC, Changes, Fleet
+from kvroute.server.sync.journal import AdminJournal
+from kvroute.server.sync.monitor import Monitor
+from kvroute.server.sync.peers import PeerCollector, PeerLink, PeerSettings
+from kvroute.server.wire.h1 import H1Transport
+from kvroute.server.wire.http import error_response
+from kvroute.server.wire.transport import Transport, UpstreamError
+from kvroute.server.wire.validate import ApiError
 from kvroute.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["RouterServer"]
@@ -58,7 +60,7 @@ _ABORT_WAIT_S = 5.0
 
 class RouterServer:
     """One router: config → app, loops, subscribers. ``transport``/``tokenizer`` may be injected
-    (tests); by default :class:`~kvroute.server.h1.H1Transport` and the configured tokenizer are used.
+    (tests); by default :class:`~kvroute.server.wire.h1.H1Transport` and the configured tokenizer are used.
     ``resolve`` (DNS lookups) and ``parse_backends`` (a watched file's reader) go to discovery.
     ``table``: the in-flight load table (a worker's view of the machine's shared one, see
     :mod:`kvroute.server.workers`); by default one of this process alone. ``peer_replica``,
@@ -89,7 +91,7 @@ class RouterServer:
             connect_timeout_s=config.connect_timeout_s, read_timeout_s=config.upstream_timeout_s
         )
         tok = tokenizer or load_tokenizer(config.tokenizer, chat_template=config.chat_template)
-        self.core = RouterCore(
+        self.state = RouterState(
             config,
             RequestTokenizer(tok, config.tokenizer_cache_entries),
             make_policy(config.policy),
@@ -101,23 +103,24 @@ class RouterServer:
         )
         self.registry = CollectorRegistry(auto_describe=True)
         # decisions, latency histograms, access log, traces (tracer_provider: tests; else --otel's)
-        self.observer = Observer(self.core, self.registry, tracer_provider)
-        self.proxy = Proxy(self.core, self.transport, self.observer)
-        self.monitor = Monitor(self.core, self.transport)
+        self.observer = Observer(self.state, self.registry, tracer_provider)
+        recording = TrafficRecording(config.record, config.block_size) if config.record else None
+        self.proxy = Proxy(self.state, self.transport, self.observer, recording)
+        self.monitor = Monitor(self.state, self.transport)
         self.background = background
         self.subscribers: list[EventSubscriber] = []  # live KV event subscribers (the fleet's)
-        self.fleet = Fleet(self.core, self.monitor, self.subscribers)
+        self.fleet = Fleet(self.state, self.monitor, self.subscribers)
         self.discovery = Discovery(config, self.fleet, resolve, parse_backends)
         self._tasks: list[asyncio.Task[None]] = []
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self.draining = False  # shutting down: /health answers 503
-        self.registry.register(RouterCollector(self.core, self.subscribers, self.proxy))
+        self.registry.register(RouterCollector(self.state, self.subscribers, self.proxy))
         self._features: FeatureCollector | None = None
         self._register_features()
         self._preloading: asyncio.Task[None] | None = None
         self.peers = self._make_peers(peer_replica, peer_worker, peer_receive)
-        # --workers: admin changes made on a sibling worker (kvroute.server.journal), replayed here
+        # --workers: admin changes made on a sibling worker (kvroute.server.sync.journal), replayed here
         self.journal = AdminJournal(admin_journal) if admin_journal is not None else None
         self.url = ""
 
@@ -126,7 +129,7 @@ class RouterServer:
         if self._features is not None:
             self.registry.unregister(self._features)
             self._features = None
-        core = self.core
+        core = self.state
         if core.guard is not None:  # production features: alarms, score histogram, warming
             labels = lambda: [(b.index, b.url) for b in core.live_backends()]  # noqa: E731
             self._features = FeatureCollector(core.guard, labels, core.clock)
@@ -141,9 +144,9 @@ class RouterServer:
             return None
         bind = cfg.peer_bind if receive else None
         settings = PeerSettings(bind, cfg.peers, cfg.peer_expiry_s, cfg.peer_refresh_s)
-        link = PeerLink(settings, self.core.table, self.core.clock, replica, worker)
+        link = PeerLink(settings, self.state.table, self.state.clock, replica, worker)
         self.registry.register(
-            PeerCollector(link, lambda: [(b.url, b.slot) for b in self.core.live_backends()])
+            PeerCollector(link, lambda: [(b.url, b.slot) for b in self.state.live_backends()])
         )
         return link
 
@@ -158,7 +161,7 @@ class RouterServer:
         app.router.add_get("/metrics", self.metrics)
         if self.config.admin_token is not None:
             add_admin_routes(app, self.fleet, self.config.admin_token, self.journal)
-            add_debug_routes(app, self.core, self.observer.log, self.config.admin_token)
+            add_debug_routes(app, self.state, self.observer.log, self.config.admin_token)
             add_dashboard_routes(app, self.observer, self.config.admin_token)
         return app
 
@@ -197,7 +200,7 @@ class RouterServer:
 
     def _ensure_preloading(self) -> None:
         """Run the cold-start preload loop while the features warm backends up (started once)."""
-        guard = self.core.guard
+        guard = self.state.guard
         if self.background and self._preloading is None and guard is not None and guard.warmup is not None:
             self._preloading = asyncio.create_task(self.monitor.preload_loop())
             self._tasks.append(self._preloading)
@@ -220,7 +223,7 @@ class RouterServer:
         policy_changed = (new.policy, new.features) != (old.policy, old.features)
         if policy_changed:
             policy = make_policy(new.policy)
-            self.core.set_policy(new.policy, policy, new.features)  # may raise UserError first
+            self.state.set_policy(new.policy, policy, new.features)  # may raise UserError first
             self._register_features()
             self._ensure_preloading()
         changes = self.fleet.set_source(STATIC, new.backends) or Changes()
@@ -235,7 +238,7 @@ class RouterServer:
         )
         parts = [f"backends: {changes.describe()}"]
         if policy_changed:
-            parts.append(f"policy: {self.core.routing.name}")
+            parts.append(f"policy: {self.state.routing.name}")
         else:
             parts.append("policy and features unchanged")
         if restart:
@@ -299,6 +302,8 @@ class RouterServer:
         await self.transport.close()
         self.proxy.close()
         self.observer.close()
+        if self.proxy.recording is not None:
+            self.proxy.recording.close()
 
     # ---- small endpoints -----------------------------------------------------------------------
 
@@ -310,13 +315,13 @@ class RouterServer:
     async def health(self, request: web.Request) -> web.Response:
         """200 ``ok`` while an active backend is healthy; 503 ``unavailable`` when none is, or
         ``draining`` once a shutdown began. ``backends`` counts the active ones."""
-        healthy = sum(b.routable for b in self.core.backends)
+        healthy = sum(b.routable for b in self.state.backends)
         ready = healthy and not self.draining
         body = {
             "status": "draining" if self.draining else "ok" if healthy else "unavailable",
             "healthy_backends": healthy,
-            "backends": sum(b.state == ACTIVE for b in self.core.backends),
-            "policy": self.core.policy.name,
+            "backends": sum(b.state == ACTIVE for b in self.state.backends),
+            "policy": self.state.policy.name,
         }
         return web.Response(
             status=200 if ready else 503, body=orjson.dumps(body), content_type="application/json"
@@ -327,7 +332,7 @@ class RouterServer:
 
     async def models(self, request: web.Request) -> web.Response:
         """Union (by id, first backend wins) of the active healthy backends' /v1/models."""
-        backends = [b for b in self.core.backends if b.routable]
+        backends = [b for b in self.state.backends if b.routable]
         if not backends:
             return error_response(
                 ApiError(503, "no healthy backend", etype="service_unavailable"), self.config.retry_after_s

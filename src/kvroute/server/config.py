@@ -34,14 +34,15 @@ The command-line flags and the YAML file that build it are read by :mod:`kvroute
     explain: false                            # every response carries x-kvroute-* explanation headers
     decisions_kept: 1000                      # decision records kept for GET /debug/decisions
     access_log: null                          # JSON lines access log: a file path, or - for stdout
+    record: null                              # the routed traffic as a replayable trace (kvroute sim --trace)
     shadow: [vllm, round-robin]               # shadow policies, computed beside the real one
     otel: false                               # OpenTelemetry traces (the otel extra)
     ...                                       # any other RouterConfig field by name
 
 A backend mapping may carry ``tags: [spot]`` (spot instances, see ``features.limits``), ``models:
 [...]`` and ``lora_adapters: [...]`` (what it serves, instead of reading its ``/v1/models``; see
-:mod:`kvroute.server.pools`) and ``engine: vllm | sglang`` (its metric names; unset: detected, see
-:mod:`kvroute.server.engines`).
+:mod:`kvroute.server.state.pools`) and ``engine: vllm | sglang`` (its metric names; unset: detected, see
+:mod:`kvroute.server.sync.engines`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from urllib.parse import urlparse
 from kvroute.errors import UserError
 from kvroute.features.settings import FeatureConfig
 
-__all__ = ["BackendSpec", "RouterConfig", "parse_backend_url"]
+__all__ = ["BackendSpec", "RouterConfig", "parse_backend_url", "parse_peer_endpoint"]
 
 
 TOKENIZE_MODES = ("defer", "exact")  # RouterConfig.tokenize
@@ -115,23 +116,23 @@ class RouterConfig:
       refused (503) and the listening socket is closed; requests in flight are awaited for up to
       ``drain_timeout_s`` seconds more, then ended (a stream with an SSE error event).
     - ``admin_token``: the bearer token of the admin API (``/admin/backends``, see
-      :mod:`kvroute.server.admin`); None: the admin API is off (its routes are not registered). Not
+      :mod:`kvroute.server.sync.admin`); None: the admin API is off (its routes are not registered). Not
       shown in ``repr``.
     - ``discover``: discovery sources, ``dns://NAME:PORT`` or ``file://PATH`` (see
-      :mod:`kvroute.server.discovery`), checked every ``discover_interval_s`` seconds; the backends
+      :mod:`kvroute.server.sync.discovery`), checked every ``discover_interval_s`` seconds; the backends
       they list join ``backends`` (which discovery never removes). ``discover_kv_events``: the KV event
       endpoint of a DNS-discovered backend, a template with ``{host}`` (None: approximate view).
     - ``models_interval_s``: how often each backend's ``/v1/models`` is read again (model pools).
     - ``peer_bind``, ``peers``, ``peer_expiry_s``, ``peer_refresh_s``: router replicas that share their
-      reservations (:mod:`kvroute.server.peers`): receive the other replicas' at ``peer_bind``
+      reservations (:mod:`kvroute.server.sync.peers`): receive the other replicas' at ``peer_bind``
       (``tcp://HOST:PORT``), announce this one's to ``peers`` (``tcp://HOST:PORT`` or
       ``dns://NAME:PORT``, every address of NAME); a re-announcement every ``peer_refresh_s`` seconds
       heals lost messages, a peer silent for ``peer_expiry_s`` seconds is forgotten.
     - ``explain``, ``decisions_kept``, ``access_log``, ``shadow``, ``otel``: seeing decisions (see
-      :mod:`kvroute.server.observe`): explanation headers on every response, the size of the decision
+      :mod:`kvroute.server.observe.observer`): explanation headers on every response, the size of the decision
       ring buffer (``GET /debug/decisions``), the JSON-lines access log (None: off; ``-``: stdout),
       shadow policies (:mod:`kvroute.routing.shadow`) and OpenTelemetry traces
-      (:mod:`kvroute.server.tracing`).
+      (:mod:`kvroute.server.observe.tracing`).
     """
 
     backends: tuple[BackendSpec, ...]
@@ -173,6 +174,7 @@ class RouterConfig:
     explain: bool = False
     decisions_kept: int = 1000
     access_log: str | None = None
+    record: str | None = None  # --record FILE (kvroute.server.observe.recording); one writer: workers == 1
     shadow: tuple[str, ...] = ()
     otel: bool = False
 
@@ -190,6 +192,10 @@ class RouterConfig:
         ):
             raise UserError(
                 f"config: discover_kv_events={self.discover_kv_events!r} must be a tcp:// template"
+            )
+        if self.record is not None and self.workers > 1:
+            raise UserError(
+                "config: record needs workers: 1 (each worker would write its own trace into one file)"
             )
         if self.admin_token is not None and not self.admin_token.strip():
             raise UserError("config: admin_token must not be empty")
@@ -236,8 +242,6 @@ class RouterConfig:
         return self
 
     def _validate_peers(self) -> None:
-        from kvroute.server.peers import parse_peer_endpoint
-
         if self.peer_bind is not None:
             parse_peer_endpoint(self.peer_bind, dns=False)
         for p in self.peers:
@@ -261,3 +265,17 @@ def parse_backend_url(url: str) -> str:
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise UserError(f"backend URL {url!r} must look like http://host:port")
     return u
+
+
+def parse_peer_endpoint(text: str, dns: bool = True) -> tuple[str, str, int]:
+    """``tcp://HOST:PORT`` (or, with ``dns``, ``dns://NAME:PORT``) → (scheme, host, port); raises
+    :class:`UserError` otherwise. ``HOST`` may be ``*`` or an IPv6 address in brackets."""
+    scheme, sep, rest = text.partition("://")
+    schemes = ("tcp", "dns") if dns else ("tcp",)
+    want = " or dns://NAME:PORT" if dns else ""
+    host, colon, port = rest.rpartition(":")
+    if not sep or scheme not in schemes or not colon or not host or not port.isdigit():
+        raise UserError(f"peer endpoint {text!r}: expected tcp://HOST:PORT{want}")
+    if not 1 <= int(port) <= 65535:
+        raise UserError(f"peer endpoint {text!r}: port must be in 1..65535")
+    return scheme, host.removeprefix("[").removesuffix("]"), int(port)

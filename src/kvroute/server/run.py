@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from kvroute.errors import UserError
 from kvroute.server.app import RouterServer
 from kvroute.server.config import RouterConfig
-from kvroute.server.discovery import ParseBackends
+from kvroute.server.sync.discovery import ParseBackends
 
 __all__ = ["Reloader", "Signals", "run_loop", "serve_forever", "serve_until_signal", "wait_for_signal"]
 
@@ -135,7 +135,7 @@ def serve_forever(
     parse_backends: ParseBackends | None = None,
 ) -> int:
     """``kvroute serve``: run the router until SIGTERM/SIGINT (``reloader``: what SIGHUP reloads;
-    ``parse_backends``: the reader of discovery files, see :mod:`kvroute.server.discovery`)."""
+    ``parse_backends``: the reader of discovery files, see :mod:`kvroute.server.sync.discovery`)."""
 
     async def main() -> int:
         server = RouterServer(config, parse_backends=parse_backends)

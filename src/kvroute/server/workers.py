@@ -6,7 +6,7 @@ Layout
   and keeps that socket bound but never listening (the kernel spreads connections over *listening*
   sockets only): port 0 becomes a concrete port the workers then share, a taken port fails at once,
   and the port stays reserved while a worker restarts. It creates the machine's shared
-  :class:`~kvroute.server.loadtable.LoadTable` with ``N + 1`` writer rows: row 0 is the supervisor's
+  :class:`~kvroute.server.state.loadtable.LoadTable` with ``N + 1`` writer rows: row 0 is the supervisor's
   and stays zero (it routes nothing), worker ``k`` writes row ``k`` (1 ≤ k ≤ N), and the remote row
   after them is for other replicas' announced load. It spawns the workers with the ``multiprocessing``
   spawn context (a fresh interpreter each, given a picklable :class:`WorkerSpec` and the table's
@@ -17,9 +17,9 @@ Layout
   policy reads the sums over all rows, so a decision sees the whole machine's in-flight load. Every
   response carries ``x-kvroute-worker: k``.
 - **Admin API**: a call reaches one worker, which also appends the change to the machine's admin
-  journal (a file in a folder the supervisor creates and removes, :mod:`kvroute.server.journal`); the
+  journal (a file in a folder the supervisor creates and removes, :mod:`kvroute.server.sync.journal`); the
   other workers follow it within ~0.1 s, and a restarted worker replays it whole.
-- **Router replicas** (``--peer-bind``/``--peers``, :mod:`kvroute.server.peers`): the supervisor binds
+- **Router replicas** (``--peer-bind``/``--peers``, :mod:`kvroute.server.sync.peers`): the supervisor binds
   ``--peer-bind`` and writes the other replicas' load into the table's remote row, once for the
   machine; every worker publishes its own reservations under the machine's replica id.
 - **Signals**: SIGTERM/SIGINT to the supervisor are forwarded to every worker, which drains as a single
@@ -78,10 +78,10 @@ from prometheus_client.registry import Collector
 from kvroute.errors import UserError
 from kvroute.server.app import RouterServer
 from kvroute.server.config import RouterConfig
-from kvroute.server.discovery import ParseBackends
-from kvroute.server.loadtable import LoadTable, SharedTableSpec
-from kvroute.server.peers import PeerReceiver, new_replica_id
 from kvroute.server.run import Reloader, run_loop, serve_until_signal
+from kvroute.server.state.loadtable import LoadTable, SharedTableSpec
+from kvroute.server.sync.discovery import ParseBackends
+from kvroute.server.sync.peers import PeerReceiver, new_replica_id
 
 __all__ = ["WORKER_HEADER", "Supervisor", "WorkerSpec", "reserve_port", "run_worker", "serve_workers"]
 
@@ -100,7 +100,7 @@ class WorkerSpec:
     ``replica``: the machine's router-replica id (the workers publish their reservations under it, the
     supervisor receives the other replicas'); ``reloader``: what SIGHUP reloads; ``parse_backends``:
     the reader of discovery files; ``admin_journal``: the file the workers share admin changes through
-    (:mod:`kvroute.server.journal`)."""
+    (:mod:`kvroute.server.sync.journal`)."""
 
     config: RouterConfig
     table: SharedTableSpec

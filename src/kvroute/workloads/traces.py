@@ -25,6 +25,12 @@ Formats (``TRACE_FORMATS``; ``fmt="auto"`` picks by extension, then by the keys 
   rendered with ChatML); ``output_len`` tokens (>= 1 after clamping); optional ``session`` (int),
   ``user`` (str), ``class`` (str). Block ids are ``kvroute.blocks.hash_blocks(token_ids, 16)``, so two
   prompts sharing leading full blocks share leading block ids, as in the live router.
+- ``kvroute`` — a trace recorded by the live router (``kvroute serve --record FILE``,
+  :mod:`kvroute.workloads.record`): a header line ``{"format": "kvroute-trace", "version": 1,
+  "block_size": B, ...}``, then ``{"timestamp": s, "input_length", "output_length", "hash_ids", "model",
+  "session"?, "user"?, "class"?, "status"?}`` per request; ``hash_ids`` are the router's block chain
+  re-keyed with the file's secret salt (B-token blocks); ``model`` and ``status`` are read but not used by
+  the simulator (it has one model pool).
 
 Common rules:
 
@@ -51,6 +57,8 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.errors import TraceError, UserError
+from kvroute.workloads.record import TRACE_FORMAT as RECORD_FORMAT
+from kvroute.workloads.record import TRACE_VERSION as RECORD_VERSION
 from kvroute.workloads.request import Request
 
 MOONCAKE_BLOCK_SIZE = 512
@@ -60,7 +68,7 @@ BAILIAN_BLOCK_SIZE = 16
 DEFAULT_BLOCK_SIZE = 16
 """Block size for formats without prefix information and the generic jsonl (vLLM's default)."""
 
-TRACE_FORMATS: tuple[str, ...] = ("mooncake", "bailian", "azure", "vllm-bench", "jsonl")
+TRACE_FORMATS: tuple[str, ...] = ("mooncake", "bailian", "azure", "vllm-bench", "jsonl", "kvroute")
 """Names accepted by ``open_trace(fmt=...)`` besides ``"auto"``."""
 
 __all__ = [
@@ -166,7 +174,8 @@ class _Parser:
 
     csv_header = False
 
-    def parse(self, line: str) -> _Row:
+    def parse(self, line: str) -> _Row | None:
+        """The line's row, or None for a line that carries no request (a header)."""
         raise NotImplementedError
 
 
@@ -321,12 +330,51 @@ class _Jsonl(_Parser):
         )
 
 
+class _Recorded(_Parser):
+    """A trace recorded by the live router (see the module docstring); the header comes first."""
+
+    def __init__(self) -> None:
+        self._block_size: int | None = None
+
+    def parse(self, line: str) -> _Row | None:
+        obj = _json_object(line)
+        if self._block_size is None:
+            if obj.get("format") != RECORD_FORMAT:
+                raise _BadLine(f'expected the header line {{"format": "{RECORD_FORMAT}", ...}} first')
+            version = obj.get("version")
+            if version != RECORD_VERSION:
+                raise _BadLine(
+                    f"unsupported {RECORD_FORMAT} version {version!r} (this reader: {RECORD_VERSION})"
+                )
+            self._block_size = _int(obj, "block_size", 1)
+            return None
+        prompt_len = _int(obj, "input_length", 1)
+        session = _int(obj, "session", 0) if obj.get("session") is not None else -1
+        user = obj.get("user")
+        cls = obj.get("class", "default")
+        if user is not None and not isinstance(user, str):
+            raise _BadLine("'user' must be a string")
+        if not isinstance(cls, str) or not cls:
+            raise _BadLine("'class' must be a non-empty string")
+        return _Row(
+            timestamp=_float(obj, "timestamp"),
+            prompt_len=prompt_len,
+            output_len=max(1, _int(obj, "output_length")),
+            block_ids=_hash_blocks(obj, prompt_len, self._block_size),
+            block_size=self._block_size,
+            session=session,
+            user=user,
+            req_class=cls,
+        )
+
+
 _PARSERS: dict[str, Callable[[], _Parser]] = {
     "mooncake": _Mooncake,
     "bailian": _Bailian,
     "azure": _Azure,
     "vllm-bench": _VllmBench,
     "jsonl": _Jsonl,
+    "kvroute": _Recorded,
 }
 
 
@@ -334,6 +382,8 @@ _PARSERS: dict[str, Callable[[], _Parser]] = {
 
 
 def _format_of_keys(obj: dict[str, Any]) -> str | None:
+    if obj.get("format") == RECORD_FORMAT:
+        return "kvroute"
     if "hash_ids" in obj and "chat_id" in obj:
         return "bailian"
     if "hash_ids" in obj and "input_length" in obj:
@@ -424,6 +474,8 @@ def read_trace(
             stats.lines += 1
             try:
                 row = parser.parse(line)
+                if row is None:
+                    continue
                 if row.timestamp < last_ts:
                     raise _BadLine(
                         f"timestamp goes backwards ({row.timestamp:.6f} s after {last_ts:.6f} s); "

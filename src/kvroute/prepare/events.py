@@ -1,0 +1,160 @@
+"""ZMQ subscriber of one backend's KV events, with sequence-gap detection and replay.
+
+Wire format (vLLM ``ZmqEventPublisher``): multipart ``(topic, seq, payload)`` with ``seq`` 8 bytes
+big-endian; replay: a DEALER sends ``(b"", start_seq)`` to the engine's ROUTER socket, which answers
+``(b"", seq, payload)`` per buffered batch with ``seq >= start_seq``, then ``(b"", -1, b"")``.
+
+Gap handling: the next expected sequence number is ``last + 1``. A batch with a larger number means
+batches were lost (ZMQ drops on overflow, or the router joined late): they are replayed when a replay
+endpoint is configured; if replay is absent or incomplete, the backend's exact view is reset (see
+:meth:`KVView.reset`). A smaller number means the engine restarted: its cache is empty, so the
+backend's view is cleared and the new numbering is followed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from kvroute.kvevents import END_SEQ, KVEventDecodeError, decode_batch, decode_seq, encode_seq
+from kvroute.routing.kvview import KVView
+
+__all__ = ["EventSubscriber"]
+
+log = logging.getLogger("kvroute.prepare.events")
+
+
+def _recv_now(sock: zmq.asyncio.Socket) -> list[bytes]:
+    """One queued multipart message, received synchronously (the base class's methods bypass the
+    asyncio socket's futures); raises ``zmq.Again`` when none is queued."""
+    frames = [zmq.Socket.recv(sock, zmq.NOBLOCK)]
+    while zmq.Socket.getsockopt(sock, zmq.RCVMORE):
+        frames.append(zmq.Socket.recv(sock))
+    return frames
+
+
+class EventSubscriber:
+    """Feeds ``kv`` from ``endpoint`` for backend ``backend``. Counters: ``batches``, ``gaps``,
+    ``replayed``, ``resets``, ``bad``. Run with :meth:`run` as a task; cancel it to stop."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        backend: int,
+        endpoint: str,
+        replay_endpoint: str | None,
+        kv: KVView,
+        clock: Callable[[], float],
+        replay_timeout_s: float = 1.0,
+    ) -> None:
+        self.ctx = ctx
+        self.backend = backend
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.kv = kv
+        self.clock = clock
+        self.replay_timeout_s = replay_timeout_s
+        self.last_seq: int | None = None
+        self.batches = 0
+        self.gaps = 0
+        self.replayed = 0
+        self.resets = 0
+        self.bad = 0
+
+    async def run(self) -> None:
+        sock = self.ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(self.endpoint)
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                while True:
+                    if len(frames) < 2:
+                        self.bad += 1
+                    else:
+                        await self.handle(frames[-2], frames[-1])
+                    try:  # drain what is already queued (bursts under load) without a loop round trip
+                        frames = _recv_now(sock)
+                    except zmq.Again:
+                        break
+        finally:
+            sock.close(0)
+
+    async def handle(self, seq_frame: bytes, payload: bytes) -> None:
+        """Process one received batch (gap check, replay, apply)."""
+        try:
+            seq = decode_seq(seq_frame)
+        except KVEventDecodeError:
+            self.bad += 1
+            return
+        last = self.last_seq
+        if last is not None and seq <= last:
+            if seq < last:  # numbering restarted: the engine restarted with an empty cache
+                self.resets += 1
+                self.kv.reset(self.backend, self.clock())
+                log.warning("backend %d: KV event numbering restarted (%d after %d)", self.backend, seq, last)
+            else:
+                return  # duplicate
+        elif (last is None and seq > 0) or (last is not None and seq > last + 1):
+            start = 0 if last is None else last + 1
+            self.gaps += 1
+            if not await self._replay(start, seq):
+                self.resets += 1
+                self.kv.reset(self.backend, self.clock())
+                log.warning(
+                    "backend %d: KV event gap %d..%d not replayed; approximate view for now",
+                    self.backend,
+                    start,
+                    seq - 1,
+                )
+        self._apply(seq, payload)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        self.last_seq = seq
+        try:
+            _ts, events, _rank = decode_batch(payload)
+        except KVEventDecodeError as exc:
+            self.bad += 1
+            log.warning("backend %d: undecodable KV event batch %d: %s", self.backend, seq, exc)
+            return
+        self.batches += 1
+        self.kv.apply_events(self.backend, events)
+
+    async def _replay(self, start: int, stop: int) -> bool:
+        """Replay batches ``start..stop-1``; True when all of them were applied."""
+        if self.replay_endpoint is None:
+            return False
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.replay_endpoint)
+        expected = start
+        try:
+            await sock.send_multipart([b"", encode_seq(start)])
+            async with asyncio.timeout(self.replay_timeout_s):
+                while True:
+                    frames = await sock.recv_multipart()
+                    if len(frames) < 2:
+                        return False
+                    seq_frame, payload = frames[-2], frames[-1]
+                    if seq_frame == END_SEQ:
+                        break
+                    seq = decode_seq(seq_frame)
+                    if seq < expected:
+                        continue
+                    if seq != expected or seq >= stop:
+                        break
+                    self._apply(seq, payload)
+                    self.replayed += 1
+                    expected += 1
+        except (TimeoutError, KVEventDecodeError, zmq.ZMQError):
+            pass
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.close(0)
+        return expected == stop

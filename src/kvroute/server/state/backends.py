@@ -1,0 +1,315 @@
+"""Per-backend state: router-side counters, scraped engine metrics, health, and the merged load view.
+
+Router-side counters (fresh, but only the routers' traffic), per backend, kept in a
+:class:`~kvroute.server.state.loadtable.LoadTable` row of this process (the table is shared by the workers of
+a machine and carries the load other replicas announced):
+
+- ``waiting``: requests routed there whose first byte has not come back yet;
+- ``queued_prefill``: the new (uncached) prompt tokens of those requests;
+- ``running``: requests past their first byte and not yet ended;
+- ``blocks``: the KV blocks those requests hold or will hold (their prompts' blocks, from routing to
+  their end): the decode term that Dynamo-style and Bailian-style policies read.
+
+A request moves waiting → running at its first response byte (for a streamed response that is the
+first token; a non-streamed one stays waiting until it ends) and leaves at its end, whatever the end
+(success, error, client disconnect, cancellation): :class:`Lease` makes each step happen at most once,
+so the counters return to zero when traffic stops.
+
+Scraped engine metrics (every ``scrape_interval_s``, from ``/metrics``; older but they include
+traffic from other clients): ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc`` (or the older ``vllm:gpu_cache_usage_perc``), summed over label sets.
+
+**Merge** (:meth:`BackendState.view`; router counters summed over the table's rows: every worker of
+this machine and the other replicas): the batch size is the larger of the two totals,
+``BS = max(r_running + r_waiting, s_running + s_waiting)``; ``running = min(BS, max(r_running,
+s_running))`` and ``waiting = BS − running`` (a request the engine already runs but that has not sent
+its first byte is counted once, not twice). ``queued_prefill_tokens`` is the router's own (vLLM does not
+export it); ``kv_usage`` is the engine's; ``decode_blocks`` is the larger of the router's own
+``blocks`` and the engine's blocks in use (``kv_usage`` × pool size, when the pool size is known). Scraped values older than ``scrape_stale_s`` are ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvroute.server.state.loadtable import LoadTable
+from kvroute.views import InstanceView
+
+__all__ = [
+    "ACTIVE",
+    "DRAINING",
+    "REMOVED",
+    "SCRAPE_PATH",
+    "STATES",
+    "BackendState",
+    "Lease",
+    "ScrapedMetrics",
+    "parse_vllm_metrics",
+]
+
+ACTIVE = "active"
+"""Membership: takes new requests (when healthy)."""
+DRAINING = "draining"
+"""Membership: takes no new requests; its requests in flight run to their end, then it is removed."""
+REMOVED = "removed"
+"""Membership: gone; kept (never reused) so that its index stays unique in the process."""
+STATES = (ACTIVE, DRAINING, REMOVED)
+
+_RUNNING = b"vllm:num_requests_running"
+_WAITING = b"vllm:num_requests_waiting"
+_KV_USAGE = (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc")
+_CACHE_CONFIG = b"vllm:cache_config_info"
+# Candidates for the lines parse_vllm_metrics reads: one of the names above up to the end of its line.
+# One regex scan in C (its literal prefix makes it a fast search) replaces a Python loop over every
+# line (a vLLM page has hundreds, mostly histograms, and is scraped every 50 ms per backend); a match
+# counts only at the start of a line as bytes.splitlines cuts them (after \n, \r or \r\n).
+_CANDIDATE = re.compile(
+    rb"vllm:(?:num_requests_running|num_requests_waiting|kv_cache_usage_perc"
+    rb"|gpu_cache_usage_perc|cache_config_info)[^\r\n]*"
+)
+_EOL = b"\r\n"
+
+SCRAPE_PATH = "/metrics?" + "&".join(
+    "name%5B%5D=" + n
+    for n in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:cache_config_info",
+    )
+)
+"""What the router scrapes: ``/metrics`` restricted to the samples :func:`parse_vllm_metrics` reads.
+``name[]`` is prometheus_client's own filter (vLLM and SGLang serve ``/metrics`` with its ASGI app):
+the engine renders 5 samples instead of hundreds (vLLM's page is mostly histograms) and the router
+receives and scans that much less, 20 times a second per backend (``make bench ONLY=scrape`` measures
+both sides). A server that ignores the query sends the whole page, which parses the same."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapedMetrics:
+    """What one ``/metrics`` scrape said; ``at`` is the router's monotonic clock, seconds."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    at: float
+    num_kv_blocks: int = 0
+
+
+def _sample_value(line: bytes) -> float | None:
+    # "name{labels} value [timestamp]" -> value
+    end = line.rfind(b"}")
+    rest = line[end + 1 :] if end >= 0 else line.split(b" ", 1)[1] if b" " in line else b""
+    parts = rest.split()
+    if not parts:
+        return None
+    try:
+        return float(parts[0])
+    except ValueError:
+        return None
+
+
+def parse_vllm_metrics(text: bytes, at: float) -> ScrapedMetrics | None:
+    """Parse vLLM's Prometheus text; None when it has neither running nor waiting gauges.
+
+    Values of the same metric with different labels (e.g. several ``model_name``) are summed; the KV
+    usage is the maximum. ``vllm:cache_config_info{num_gpu_blocks="N"}`` gives the pool size if present.
+    """
+    running = waiting = 0.0
+    usage = 0.0
+    seen = False
+    blocks = 0
+    for match in _CANDIDATE.finditer(text):
+        start = match.start()
+        if start and text[start - 1] not in _EOL:
+            continue  # inside a line (e.g. "# HELP vllm:...")
+        line = match.group()
+        if line.startswith(_RUNNING) and line[len(_RUNNING) : len(_RUNNING) + 1] in (b"{", b" "):
+            v = _sample_value(line)
+            if v is not None:
+                running += v
+                seen = True
+        elif line.startswith(_WAITING) and line[len(_WAITING) : len(_WAITING) + 1] in (b"{", b" "):
+            v = _sample_value(line)
+            if v is not None:
+                waiting += v
+                seen = True
+        elif line.startswith(_KV_USAGE):
+            v = _sample_value(line)
+            if v is not None:
+                usage = max(usage, v)
+        elif line.startswith(_CACHE_CONFIG):
+            key = b'num_gpu_blocks="'
+            i = line.find(key)
+            if i >= 0:
+                j = line.find(b'"', i + len(key))
+                try:
+                    blocks = int(line[i + len(key) : j])
+                except ValueError:
+                    blocks = 0
+    if not seen:
+        return None
+    usage = min(max(usage, 0.0), 1.0)
+    return ScrapedMetrics(max(int(running), 0), max(int(waiting), 0), usage, at, blocks)
+
+
+class BackendState:
+    """Mutable state of one backend. Mutated only by :class:`Lease`, the scraper, the health
+    checker and the membership operations of :class:`~kvroute.server.state.router.RouterState` (all on the
+    router's event loop).
+
+    ``state``: :data:`ACTIVE`, :data:`DRAINING` or :data:`REMOVED` (see those). ``healthy``: admitted by
+    the health checks (a backend added at runtime starts unhealthy and is admitted by its first good
+    check). Only an active, healthy backend is a routing candidate."""
+
+    __slots__ = (
+        "failures",
+        "healthy",
+        "index",
+        "requests_total",
+        "scraped",
+        "slot",
+        "state",
+        "successes",
+        "table",
+        "url",
+    )
+
+    def __init__(self, index: int, url: str, table: LoadTable | None = None, healthy: bool = True) -> None:
+        self.index = index
+        self.url = url
+        self.table = table if table is not None else LoadTable.local()
+        self.slot = self.table.slot(url)
+        self.requests_total = 0
+        self.scraped: ScrapedMetrics | None = None
+        self.healthy = healthy
+        self.state = ACTIVE
+        self.failures = 0  # consecutive failed health checks
+        self.successes = 0  # consecutive good health checks while ejected
+
+    # This process's own counters (what its leases hold; back to zero when its traffic stops).
+    @property
+    def waiting(self) -> int:
+        return self.table.own(self.slot)[0]
+
+    @property
+    def running(self) -> int:
+        return self.table.own(self.slot)[1]
+
+    @property
+    def queued_prefill(self) -> int:
+        return self.table.own(self.slot)[2]
+
+    @property
+    def blocks(self) -> int:
+        return self.table.own(self.slot)[3]
+
+    @property
+    def routable(self) -> bool:
+        """Active and healthy: may take a new request."""
+        return self.healthy and self.state == ACTIVE
+
+    @property
+    def idle(self) -> bool:
+        """No request of this process in flight on it (its own LoadTable row is zero)."""
+        return not any(self.table.own(self.slot))
+
+    def view(self, now: float, stale_s: float) -> InstanceView:
+        """The merged load view (see the module docstring); ``now`` on the monotonic clock."""
+        r_wait, r_run, prefill, blocks = self.table.totals(self.slot)
+        s = self.scraped
+        if s is not None and now - s.at <= stale_s:
+            total = max(r_run + r_wait, s.running + s.waiting)
+            running = min(total, max(r_run, s.running))
+            return InstanceView(
+                index=self.index,
+                running=running,
+                waiting=total - running,
+                queued_prefill_tokens=prefill,
+                kv_usage=s.kv_usage,
+                kv_capacity_blocks=s.num_kv_blocks,
+                decode_blocks=max(blocks, round(s.kv_usage * s.num_kv_blocks)),
+            )
+        return InstanceView(
+            index=self.index,
+            running=r_run,
+            waiting=r_wait,
+            queued_prefill_tokens=prefill,
+            decode_blocks=blocks,
+        )
+
+    def eject(self) -> bool:
+        """Mark unhealthy; True if it was healthy."""
+        was = self.healthy
+        self.healthy = False
+        self.successes = 0
+        return was
+
+    def check_failed(self, eject_after: int) -> bool:
+        """Record a failed health check; True if this ejected the backend."""
+        self.failures += 1
+        self.successes = 0
+        if self.healthy and self.failures >= eject_after:
+            self.healthy = False
+            return True
+        return False
+
+    def check_passed(self, readmit_after: int) -> bool:
+        """Record a good health check; True if this re-admitted the backend."""
+        self.failures = 0
+        if self.healthy:
+            return False
+        self.successes += 1
+        if self.successes >= readmit_after:
+            self.healthy = True
+            self.successes = 0
+            return True
+        return False
+
+
+class Lease:
+    """One routed attempt's share of a backend's counters: +1 waiting, ``prefill`` queued tokens and
+    ``blocks`` KV blocks on creation, → running at :meth:`first_byte` (the prefill leaves the queue),
+    gone at :meth:`release` (the blocks too). Each step is idempotent, so any exit path may call
+    :meth:`release` (and ``finally`` always does)."""
+
+    __slots__ = ("_state", "backend", "blocks", "prefill")
+
+    def __init__(self, backend: BackendState, prefill_tokens: int, blocks: int = 0) -> None:
+        self.backend = backend
+        self.prefill = prefill_tokens
+        self.blocks = blocks
+        self._state = 0  # 0 waiting, 1 running, 2 released
+        backend.table.add(backend.slot, waiting=1, prefill=prefill_tokens, blocks=blocks)
+        backend.requests_total += 1
+
+    @property
+    def started(self) -> bool:
+        """True once the first byte came back."""
+        return self._state >= 1
+
+    def adjust(self, prefill_tokens: int) -> None:
+        """The request's prefill turned out to be ``prefill_tokens`` (it was estimated): corrects the
+        queued count while still waiting; afterwards there is nothing to correct."""
+        if self._state == 0:
+            b = self.backend
+            b.table.add(b.slot, prefill=prefill_tokens - self.prefill)
+            self.prefill = prefill_tokens
+
+    def first_byte(self) -> None:
+        """waiting → running; the prefill tokens leave the queue."""
+        if self._state == 0:
+            b = self.backend
+            b.table.add(b.slot, waiting=-1, running=1, prefill=-self.prefill)
+            self._state = 1
+
+    def release(self) -> None:
+        """The attempt ended (any way)."""
+        b = self.backend
+        if self._state == 0:
+            b.table.add(b.slot, waiting=-1, prefill=-self.prefill, blocks=-self.blocks)
+        elif self._state == 1:
+            b.table.add(b.slot, running=-1, blocks=-self.blocks)
+        self._state = 2

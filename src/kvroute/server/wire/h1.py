@@ -1,0 +1,399 @@
+"""A lean HTTP/1.1 client for the router's upstream calls: :class:`H1Transport`.
+
+Why not aiohttp's client: profiled under ``benchmarks/bench_proxy.py``'s load (py-spy), the aiohttp
+client (request building, timers, response objects, connector bookkeeping) took about as much of
+the router's CPU as routing itself, for both proxied requests and the 50 ms /metrics scrapes. The
+router needs a small part of HTTP: a pool of keep-alive connections per backend, a request written
+in one call, the status line, the ``Content-Type`` header and the body (fixed-length, chunked or
+close-delimited) as it arrives. The response is parsed by ``httptools`` (llhttp, Node.js's parser).
+
+Behaviour (the :class:`~kvroute.server.wire.transport.Transport` contract):
+
+- :class:`UpstreamConnectError` when no response head arrives: connection refused or reset, connect
+  timeout (``connect_timeout_s``), or no head within ``timeout_s`` (when given; else within
+  ``read_timeout_s``). A pooled connection that turns out closed before any response byte is
+  replaced by a fresh one once (the usual keep-alive race; nothing was processed on it);
+- :class:`UpstreamBrokenError` when the body breaks off, is malformed, or no bytes arrive for
+  ``read_timeout_s``;
+- a response fully read and ``release()``-d returns its connection to the pool (at most
+  ``max_idle`` idle connections per backend); ``abort()`` closes it, which a vLLM-style engine
+  takes as a cancelled request;
+- reading pauses when more than ``_HIGH_WATER`` bytes are buffered (a slow client), so a stream is
+  never buffered without bound;
+- URLs other than ``http://host[:port]`` (e.g. https) go through :class:`AiohttpTransport`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from urllib.parse import urlsplit
+
+import httptools
+
+from kvroute.server.wire.transport import (
+    AiohttpTransport,
+    Transport,
+    UpstreamBrokenError,
+    UpstreamConnectError,
+    UpstreamResponse,
+)
+
+__all__ = ["H1Transport"]
+
+_HIGH_WATER = 1 << 20  # bytes buffered before reading pauses
+_LOW_WATER = 1 << 16  # bytes left buffered when reading resumes
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection; carries one request at a time. ``head`` resolves with the
+    response head (or an exception); ``body`` holds unread body pieces; ``complete`` is set when
+    the response ended; ``error`` when the connection broke first."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, live: set[_Conn]) -> None:
+        self.loop = loop
+        self.live = live  # the pool's open connections; this one leaves it when lost
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.reused = False  # has served a response before (pooled)
+        self.timed_out = False
+        self._begin()
+
+    def _begin(self) -> None:
+        self.head: asyncio.Future[None] = self.loop.create_future()
+        self.status = 0
+        self.content_type = "application/json"
+        self.delimited = False  # Content-Length or chunked: the end is in the stream, not at EOF
+        self.keep_alive = False  # the server lets the connection carry another request
+        self.body: list[bytes] = []
+        self.buffered = 0
+        self.got_bytes = False
+        self.complete = False
+        self.error: Exception | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.paused = False
+
+    def begin(self) -> None:
+        """Reset the per-response state for the next request on this connection."""
+        self.reused = True
+        self._begin()
+
+    # ---- asyncio.Protocol ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's TCPTransport is not a subclass
+        self.live.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamBrokenError(f"malformed response: {exc}"))
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.live.discard(self)
+        if self.complete:
+            return
+        if self.head.done() and not self.delimited and self.error is None:
+            self.on_message_complete()  # a close-delimited body ends at EOF
+            return
+        self._fail(UpstreamBrokenError(f"connection lost: {exc!r}" if exc else "connection closed"))
+
+    def pause_writing(self) -> None:  # request bodies are small; nothing to throttle
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # ---- httptools callbacks -------------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        low = name.lower()
+        if low == b"content-type":
+            self.content_type = value.decode("latin-1")
+        elif low == b"content-length" or (low == b"transfer-encoding" and b"chunked" in value.lower()):
+            self.delimited = True
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()  # only meaningful here (llhttp resets it)
+        if not self.head.done():
+            self.head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+        self.buffered += len(body)
+        if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        if not self.head.done():  # a body-less response completes together with its head
+            self.head.set_result(None)
+        self._wake()
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _fail(self, exc: Exception) -> None:
+        if self.error is None:
+            self.error = exc
+        if not self.head.done():
+            self.head.set_exception(exc)
+            self.head.exception()  # retrieved: no "never retrieved" warning if nobody waits
+        self._wake()
+
+    def take(self) -> bytes:
+        """All buffered body bytes (resumes reading when it was paused)."""
+        body = self.body
+        data = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
+        self.buffered = 0
+        if self.paused and self.transport is not None and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
+        return data
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.close()
+        self.closed = True
+
+    @property
+    def reusable(self) -> bool:
+        return self.complete and self.keep_alive and not self.closed and self.error is None
+
+
+class _H1Response:
+    """An :class:`~kvroute.server.wire.transport.UpstreamResponse` over one :class:`_Conn`."""
+
+    __slots__ = ("_conn", "_done", "_pool", "_read_timeout_s", "content_type", "status")
+
+    def __init__(self, conn: _Conn, pool: _Pool, read_timeout_s: float | None) -> None:
+        self._conn = conn
+        self._pool = pool
+        self._read_timeout_s = read_timeout_s
+        self._done = False
+        self.status = conn.status
+        self.content_type = conn.content_type
+
+    async def read(self) -> bytes:
+        parts = [chunk async for chunk in self.iter_chunks()]
+        return b"".join(parts)
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        conn = self._conn
+        while True:
+            if conn.body:
+                yield conn.take()
+                continue
+            if conn.complete:
+                return
+            if conn.error is not None:
+                raise conn.error
+            waiter = conn.waiter = conn.loop.create_future()
+            try:
+                if self._read_timeout_s is None:
+                    await waiter
+                else:
+                    async with asyncio.timeout(self._read_timeout_s):
+                        await waiter
+            except TimeoutError:
+                raise UpstreamBrokenError(f"no data for {self._read_timeout_s} s") from None
+            finally:
+                conn.waiter = None
+
+    def release(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._conn.reusable:
+            self._pool.put(self._conn)
+        else:
+            self._conn.close()
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self._conn.close()
+
+
+class _Pool:
+    """Idle keep-alive connections to one ``host:port`` (most recently used first out)."""
+
+    __slots__ = ("host", "hostport", "idle", "live", "max_idle", "port")
+
+    def __init__(self, host: str, port: int, max_idle: int) -> None:
+        self.host = host
+        self.port = port
+        self.hostport = f"{host}:{port}".encode("latin-1")
+        self.idle: list[_Conn] = []
+        self.live: set[_Conn] = set()  # every open connection, idle or carrying a request
+        self.max_idle = max_idle
+
+    def get(self) -> _Conn | None:
+        idle = self.idle
+        while idle:
+            conn = idle.pop()
+            if not conn.closed:
+                return conn
+        return None
+
+    def put(self, conn: _Conn) -> None:
+        if len(self.idle) >= self.max_idle:
+            conn.close()
+        else:
+            self.idle.append(conn)
+
+    def close(self) -> None:
+        """Close every connection, idle or in use (their responses then break off)."""
+        for conn in list(self.live):
+            conn.close()
+        self.idle.clear()
+
+
+class H1Transport:
+    """The router's default transport (see the module docstring). Create and use it inside one
+    event loop; ``close()`` closes the idle connections (and the https fallback's session)."""
+
+    def __init__(
+        self,
+        connect_timeout_s: float = 2.0,
+        read_timeout_s: float | None = 600.0,
+        max_idle: int = 256,
+        fallback: Transport | None = None,
+    ) -> None:
+        self._connect_timeout_s = connect_timeout_s
+        self._read_timeout_s = read_timeout_s
+        self._max_idle = max_idle
+        self._pools: dict[str, _Pool | None] = {}  # base URL -> pool (None: not plain http)
+        self._fallback = fallback
+        self._fallback_args = (connect_timeout_s, read_timeout_s or 600.0)
+
+    def _pool(self, base_url: str) -> _Pool | None:
+        try:
+            return self._pools[base_url]
+        except KeyError:
+            pass
+        parts = urlsplit(base_url)
+        pool = None
+        if parts.scheme == "http" and parts.hostname and not parts.path.strip("/"):
+            try:
+                port = parts.port or 80
+            except ValueError:  # a malformed port: let aiohttp report it
+                port = -1
+            if port > 0:
+                pool = _Pool(parts.hostname, port, self._max_idle)
+        self._pools[base_url] = pool
+        return pool
+
+    async def send(
+        self,
+        base_url: str,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> UpstreamResponse:
+        pool = self._pool(base_url)
+        if pool is None:
+            if self._fallback is None:
+                self._fallback = AiohttpTransport(*self._fallback_args)
+            return await self._fallback.send(base_url, method, path, body, headers, timeout_s)
+        request = _request_bytes(method, path, pool.hostport, body, headers)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        conn = pool.get()
+        if conn is not None:
+            conn.begin()
+            try:
+                return await self._exchange(conn, pool, request, deadline)
+            except UpstreamConnectError:
+                if conn.got_bytes or conn.timed_out:
+                    raise
+                # the pooled connection was closed under us before answering: one fresh try
+        conn = await self._connect(pool, loop, deadline)
+        return await self._exchange(conn, pool, request, deadline)
+
+    async def _connect(self, pool: _Pool, loop: asyncio.AbstractEventLoop, deadline: float | None) -> _Conn:
+        limit = self._connect_timeout_s
+        if deadline is not None:
+            limit = min(limit, max(deadline - loop.time(), 0.0))
+        try:
+            async with asyncio.timeout(limit):
+                _, conn = await loop.create_connection(lambda: _Conn(loop, pool.live), pool.host, pool.port)
+        except (TimeoutError, OSError) as exc:
+            raise UpstreamConnectError(f"http://{pool.host}:{pool.port}: {exc!r}") from None
+        return conn
+
+    async def _exchange(
+        self, conn: _Conn, pool: _Pool, request: bytes, deadline: float | None
+    ) -> _H1Response:
+        assert conn.transport is not None
+        if conn.closed:
+            raise UpstreamConnectError("connection closed")
+        try:
+            conn.transport.write(request)
+            if deadline is not None:
+                async with asyncio.timeout_at(deadline):
+                    await conn.head
+            elif self._read_timeout_s is not None:
+                async with asyncio.timeout(self._read_timeout_s):
+                    await conn.head
+            else:
+                await conn.head
+        except TimeoutError:
+            conn.timed_out = True
+            conn.close()
+            raise UpstreamConnectError(f"http://{pool.host}:{pool.port}: no response in time") from None
+        except UpstreamBrokenError as exc:
+            conn.close()
+            raise UpstreamConnectError(f"http://{pool.host}:{pool.port}: {exc}") from None
+        except BaseException:  # cancelled: the request is in flight, so the connection is unusable
+            conn.close()
+            raise
+        return _H1Response(conn, pool, self._read_timeout_s)
+
+    async def close(self) -> None:
+        for pool in self._pools.values():
+            if pool is not None:
+                pool.close()
+        self._pools.clear()
+        if self._fallback is not None:
+            with contextlib.suppress(Exception):
+                await self._fallback.close()
+            self._fallback = None
+
+
+_SKIP = frozenset({"host", "content-length", "transfer-encoding", "connection"})
+
+
+def _request_bytes(
+    method: str, path: str, hostport: bytes, body: bytes | None, headers: Mapping[str, str] | None
+) -> bytes:
+    """The request head and body as one buffer. Header names/values with CR or LF are dropped (no
+    header injection); ``Host`` and ``Content-Length`` are always ours."""
+    lines = [f"{method} {path} HTTP/1.1\r\n".encode("latin-1"), b"Host: ", hostport, b"\r\n"]
+    if headers:
+        for k, v in headers.items():
+            if k.lower() in _SKIP or "\r" in k or "\n" in k or "\r" in v or "\n" in v:
+                continue
+            lines.append(f"{k}: {v}\r\n".encode("utf-8", "surrogateescape"))
+    if body is not None:
+        lines.append(b"Content-Length: %d\r\n\r\n" % len(body))
+        lines.append(body)
+    else:
+        lines.append(b"\r\n")
+    return b"".join(lines)

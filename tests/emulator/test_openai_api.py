@@ -141,6 +141,36 @@ async def test_tokenize_detokenize_health_version(server: EmulatorServer, tokeni
     assert isinstance(version["version"], str)
 
 
+async def test_render_endpoints_return_token_ids_and_run_nothing(server: EmulatorServer, tokenizer):
+    """vLLM's ``/v1/chat/completions/render`` and ``/v1/completions/render`` (vllm-router's
+    kv_aware policy reads their ``token_ids``): the prompt's ids as the engine would run them, the
+    resolved ``max_tokens``, 400/404 for what generation refuses, and nothing enters the engine."""
+    base = f"http://127.0.0.1:{server.port}"
+    async with aiohttp.ClientSession() as s:
+        async with s.post(
+            f"{base}/v1/chat/completions/render", json={"model": MODEL, "messages": MESSAGES}
+        ) as r:
+            chat = (r.status, await r.json())
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3, "cache_salt": "s1"}
+        async with s.post(f"{base}/v1/completions/render", json=body) as r:
+            comp = (r.status, await r.json())
+        async with s.post(
+            f"{base}/v1/chat/completions/render", json={"model": "other", "messages": MESSAGES}
+        ) as r:
+            missing = (r.status, await r.json())
+        async with s.post(f"{base}/v1/completions/render", json={"model": MODEL}) as r:
+            bad_body = (r.status, await r.json())
+    assert chat[0] == 200 and chat[1]["token_ids"] == tokenizer.encode_chat(MESSAGES)
+    assert chat[1]["model"] == MODEL and chat[1]["request_id"].startswith("chatcmpl-")
+    assert chat[1]["sampling_params"]["max_tokens"] == 8  # the settings' default_max_tokens
+    assert comp[0] == 200 and comp[1]["token_ids"] == tokenizer.encode("Once upon a time")
+    assert comp[1]["sampling_params"]["max_tokens"] == 3 and comp[1]["cache_salt"] == "s1"
+    assert missing[0] == 404 and missing[1]["error"]["code"] == 404
+    assert bad_body[0] == 400 and bad_body[1]["error"]["param"] == "prompt"
+    stats = server.model.stats()
+    assert (stats.prefix_query_tokens, stats.running, stats.waiting) == (0, 0, 0)
+
+
 async def test_openai_client_raises_on_errors(server: EmulatorServer):
     async with client(server) as c:
         with pytest.raises(openai.NotFoundError):

@@ -256,6 +256,26 @@ def parse_completion(
 # ---- response bodies ----------------------------------------------------------------------------
 
 
+def render_body(req: GenerateRequest, body: Mapping[str, Any], rid: str) -> dict[str, Any]:
+    """The answer of ``/v1/chat/completions/render`` and ``/v1/completions/render``: vLLM's
+    ``GenerateRequest`` (its tokens-in/tokens-out request model) for the prompt as the engine would
+    run it: the rendered ``token_ids`` and the sampling parameters (``max_tokens`` as the engine
+    resolved it). Routers read ``token_ids`` to score prefixes without a tokenizer of their own."""
+    salt = body.get("cache_salt")
+    return {
+        "request_id": rid,
+        "token_ids": list(req.prompt_ids),
+        "features": None,
+        "sampling_params": {"max_tokens": req.max_tokens},
+        "model": req.model,
+        "stream": False,
+        "stream_options": None,
+        "cache_salt": salt if isinstance(salt, str) else None,
+        "priority": 0,
+        "kv_transfer_params": None,
+    }
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,

@@ -66,6 +66,7 @@ from kvroute.emulator.protocol import (
     full_response,
     parse_chat,
     parse_completion,
+    render_body,
     usage,
     usage_chunk,
 )
@@ -216,6 +217,8 @@ class EmulatorServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions/render", self.render_completion)
+        app.router.add_post("/v1/chat/completions/render", self.render_chat)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
@@ -408,6 +411,31 @@ class EmulatorServer:
                 f"this engine's kv_role is {kt.role}: it cannot decode a remote prefill", "kv_transfer_params"
             )
         return kvp
+
+    async def render_chat(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /v1/chat/completions/render``: the chat body validated and rendered to token
+        ids (no generation, nothing enters the engine)."""
+        try:
+            body = await self._json(request)
+            req = parse_chat(
+                body,
+                self.tokenizer,
+                self.served,
+                self.engine_config.max_model_len,
+                self.settings.default_max_tokens,
+            )
+        except ApiError as exc:
+            return web.json_response(exc.body(), status=exc.status)
+        return web.json_response(render_body(req, body, f"chatcmpl-{uuid.uuid4().hex}"))
+
+    async def render_completion(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /v1/completions/render`` (see :meth:`render_chat`)."""
+        try:
+            body = await self._json(request)
+            req = parse_completion(body, self.tokenizer, self.served, self.engine_config.max_model_len)
+        except ApiError as exc:
+            return web.json_response(exc.body(), status=exc.status)
+        return web.json_response(render_body(req, body, f"cmpl-{uuid.uuid4().hex}"))
 
     async def _json(self, request: web.Request) -> Any:
         raw = await request.read()

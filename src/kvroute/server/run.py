@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -143,6 +144,9 @@ def serve_forever(
         except OSError as exc:
             await server.stop()
             raise UserError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+        # What start-up built (tokenizer, chat template, app) lives as long as the process: keep it
+        # out of the cyclic collector's full passes, which otherwise walk it again and again.
+        gc.freeze()
         modes = ", ".join(f"{b.url} ({'exact' if b.kv_events else 'approx'})" for b in config.backends)
         found = f" discover: {', '.join(config.discover)}" if config.discover else ""
         admin = f" admin API on; dashboard: {url}/dashboard" if config.admin_token is not None else ""

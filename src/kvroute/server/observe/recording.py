@@ -18,9 +18,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import IO
 
-import orjson
-
 from kvroute.errors import UserError
+from kvroute.server.wire.http import usage_count
 from kvroute.server.wire.validate import ParsedRequest
 from kvroute.workloads.record import RecordedRequest, TraceRecorder
 
@@ -33,20 +32,7 @@ SESSION_HEADER = "x-session-id"
 def completion_tokens(data: bytes) -> int | None:
     """``usage.completion_tokens`` from a JSON body or the last SSE event carrying usage in ``data`` (the
     tail of a stream); None when absent or unparsable."""
-    key = b'"completion_tokens"'
-    pos = data.rfind(key)
-    if pos < 0:
-        return None
-    start = data.rfind(b"\n", 0, pos) + 1
-    end = data.find(b"\n", pos)
-    line = data[start : end if end >= 0 else len(data)].strip()
-    if line.startswith(b"data:"):
-        line = line[5:].strip()
-    try:
-        value = orjson.loads(line)["usage"]["completion_tokens"]
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+    return usage_count(data, "completion_tokens")
 
 
 class TrafficRecording:

@@ -8,7 +8,7 @@ from aiohttp import web
 
 from kvroute.server.wire.validate import ApiError, error_body
 
-__all__ = ["JSON", "error_response", "extract_cached_tokens", "forward_headers", "read_body"]
+__all__ = ["JSON", "error_response", "extract_cached_tokens", "forward_headers", "read_body", "usage_count"]
 
 JSON = "application/json"
 
@@ -46,11 +46,10 @@ def forward_headers(request: web.Request) -> dict[str, str]:
     return headers
 
 
-def extract_cached_tokens(data: bytes) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` from a JSON body or the last SSE event carrying
-    usage in ``data`` (the tail of a stream); None when absent or unparsable."""
-    key = b'"cached_tokens"'
-    pos = data.rfind(key)
+def usage_count(data: bytes, key: str, *path: str) -> int | None:
+    """The non-negative integer ``usage[*path][key]`` from a JSON body or from the last SSE event of
+    ``data`` (the tail of a stream) that names ``key``; None when absent or unparsable."""
+    pos = data.rfind(b'"' + key.encode() + b'"')
     if pos < 0:
         return None
     start = data.rfind(b"\n", 0, pos) + 1
@@ -59,8 +58,16 @@ def extract_cached_tokens(data: bytes) -> int | None:
     if line.startswith(b"data:"):
         line = line[5:].strip()
     try:
-        obj = orjson.loads(line)
-        cached = obj["usage"]["prompt_tokens_details"]["cached_tokens"]
+        obj = orjson.loads(line)["usage"]
+        for part in path:
+            obj = obj[part]
+        value = obj[key]
     except (orjson.JSONDecodeError, KeyError, TypeError):
         return None
-    return cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def extract_cached_tokens(data: bytes) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` from a JSON body or the last SSE event carrying
+    usage in ``data`` (the tail of a stream); None when absent or unparsable."""
+    return usage_count(data, "cached_tokens", "prompt_tokens_details")

@@ -18,8 +18,11 @@ system prompt is one of ``--system-prompts`` shared prompts (about 300 tokens), 
 
 TTFT is measured by the client: from the handle call to the first streamed item (so it includes the
 routing decision and Ray's transport). KV hit rate = prompt tokens served from cache (the engine's
-``cached_tokens``) / all prompt tokens. ``--json FILE`` writes
-``{"routers": {NAME: {"requests", "kv_hit_rate", "ttft_ms": {"mean", "p99"}, "per_replica"}}, ...}``.
+``cached_tokens``) / all prompt tokens. ``--repeat N`` replays the workload N times per router,
+interleaved (round k runs every router once, the order rotated by k, each on a fresh app), and
+prints each run and the mean over the runs. ``--json FILE`` writes
+``{"routers": {NAME: {"requests", "kv_hit_rate", "ttft_ms": {"mean", "p99"}, "per_replica"}}, "runs": [...], ...}``
+(``routers``: the means over the runs; ``runs``: one such mapping per round).
 
 Run: ``PYTHONPATH=src python examples/ray_serve/app.py --replicas 2`` (after ``pip install -e '.[ray]'``:
 ``python examples/ray_serve/app.py``). About two minutes on 2 cores.
@@ -163,7 +166,7 @@ def router_classes() -> tuple[dict[str, Any], str | None]:
         return out, f"ray-prefix skipped: Ray Serve LLM's router does not import here ({exc})"
 
 
-def deploy(args: argparse.Namespace, name: str, router: Any) -> Any:
+def deploy(args: argparse.Namespace, app: str, router: Any) -> Any:
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -181,7 +184,7 @@ def deploy(args: argparse.Namespace, name: str, router: Any) -> Any:
         request_router_config=cfg,
     )
     # One app per router: a process keeps a deployment's handle router across redeploys of one name.
-    return serve.run(dep.bind(kv_blocks=args.kv_blocks), name=f"example-{name}", route_prefix=None)
+    return serve.run(dep.bind(kv_blocks=args.kv_blocks), name=app, route_prefix=None)
 
 
 def summarize(chats: list[Chat], wall_s: float) -> dict[str, Any]:
@@ -200,6 +203,34 @@ def summarize(chats: list[Chat], wall_s: float) -> dict[str, Any]:
     }
 
 
+def mean_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The mean of one router's run summaries (requests, KV hit rate, TTFT mean and p99, wall)."""
+    n = len(runs)
+    return {
+        "runs": n,
+        "requests": sum(r["requests"] for r in runs) / n,
+        "kv_hit_rate": sum(r["kv_hit_rate"] for r in runs) / n,
+        "ttft_ms": {k: sum(r["ttft_ms"][k] for r in runs) / n for k in ("mean", "p99")},
+        "per_replica": [r["per_replica"] for r in runs],
+        "wall_seconds": sum(r["wall_seconds"] for r in runs) / n,
+    }
+
+
+def table(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    out = [
+        "| run | router | requests | TTFT mean (ms) | TTFT p99 (ms) | KV hit rate | requests per replica |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for run, (name, r) in rows:
+        per = r["per_replica"]
+        counts = " / ".join(str(n) for n in per) if per and isinstance(per[0], int) else "-"
+        out.append(
+            f"| {run} | {name} | {r['requests']:g} | {r['ttft_ms']['mean']:.1f} | {r['ttft_ms']['p99']:.1f} "
+            f"| {r['kv_hit_rate']:.3f} | {counts} |"
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, default=2)
@@ -213,10 +244,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray")
     p.add_argument("--routers", default=None, help="comma-separated subset of kvroute,ray-default,ray-prefix")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=1, help="runs per router, interleaved")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
-    if args.replicas < 1 or args.conversations < 1 or args.turns < 1 or args.rate <= 0:
-        print("error: --replicas, --conversations, --turns and --rate must be positive", file=sys.stderr)
+    if args.replicas < 1 or args.conversations < 1 or args.turns < 1 or args.rate <= 0 or args.repeat < 1:
+        print(
+            "error: --replicas, --conversations, --turns, --rate and --repeat must be positive",
+            file=sys.stderr,
+        )
         return 2
     try:
         import ray
@@ -240,40 +275,43 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(
         num_cpus=args.num_cpus, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False
     )
-    results: dict[str, Any] = {}
+    runs: list[dict[str, Any]] = []
     try:
-        for name in names:
-            handle = deploy(args, name, classes[name])
-            chats = workload(args)
-            warm = Chat(-1, 0.0, "warm-up", ["warm-up"], [0.0])  # Ray builds the router on first use
-            asyncio.run(run_chat(handle, warm, 1, time.perf_counter()))
-            used = type(handle._router._asyncio_router.request_router).__name__  # private: a check only
-            print(f"{name}: routing with {used}", flush=True)
+        for k in range(args.repeat):
+            order = names[k % len(names) :] + names[: k % len(names)]  # rotate: no router always first
+            results: dict[str, Any] = {}
+            for name in order:
+                app = f"example-{name}-{k}"  # one app per router and run (see deploy)
+                handle = deploy(args, app, classes[name])
+                chats = workload(args)
+                warm = Chat(-1, 0.0, "warm-up", ["warm-up"], [0.0])  # Ray builds the router on first use
+                asyncio.run(run_chat(handle, warm, 1, time.perf_counter()))
+                used = type(handle._router._asyncio_router.request_router).__name__  # private: a check only
+                print(f"run {k + 1}, {name}: routing with {used}", flush=True)
 
-            async def replay(h: Any = handle, cs: list[Chat] = chats) -> None:
+                async def replay(h: Any = handle, cs: list[Chat] = chats) -> None:
+                    t0 = time.perf_counter()
+                    await asyncio.gather(*(run_chat(h, c, args.max_tokens, t0) for c in cs))
+
                 t0 = time.perf_counter()
-                await asyncio.gather(*(run_chat(h, c, args.max_tokens, t0) for c in cs))
-
-            t0 = time.perf_counter()
-            asyncio.run(replay())
-            results[name] = summarize(chats, time.perf_counter() - t0)
-            print(f"{name}: done in {results[name]['wall_seconds']:.1f} s", flush=True)
-            serve.delete(f"example-{name}")
+                asyncio.run(replay())
+                results[name] = summarize(chats, time.perf_counter() - t0)
+                print(f"run {k + 1}, {name}: done in {results[name]['wall_seconds']:.1f} s", flush=True)
+                serve.delete(app)
+            runs.append({n: results[n] for n in names})
     finally:
         serve.shutdown()
         ray.shutdown()
+    means = {n: mean_summary([r[n] for r in runs]) for n in names}
+    rows = [(str(k + 1), (n, r[n])) for k, r in enumerate(runs) for n in names]
+    if args.repeat > 1:
+        rows += [("mean", (n, means[n])) for n in names]
     print()
-    print("| router | requests | TTFT mean (ms) | TTFT p99 (ms) | KV hit rate | requests per replica |")
-    print("|---|---:|---:|---:|---:|---|")
-    for name, r in results.items():
-        counts = " / ".join(str(n) for n in r["per_replica"])
-        print(
-            f"| {name} | {r['requests']} | {r['ttft_ms']['mean']:.1f} | {r['ttft_ms']['p99']:.1f} "
-            f"| {r['kv_hit_rate']:.3f} | {counts} |"
-        )
+    print("\n".join(table(rows)))
     if args.json:
         doc = {
-            "routers": results,
+            "routers": means if args.repeat > 1 else runs[0],
+            "runs": runs,
             "settings": {k: v for k, v in vars(args).items() if k != "json"},
             "machine": {
                 "cpus": args.num_cpus,

@@ -145,8 +145,9 @@ def _int(stats: Mapping[str, Any], key: str) -> int:
 
 def _seconds(stats: Mapping[str, Any], key: str) -> float | None:
     v = stats.get(key)
-    ok = isinstance(v, int | float) and not isinstance(v, bool) and 0.0 <= v < float("inf")
-    return float(v) if ok else None
+    if isinstance(v, int | float) and not isinstance(v, bool) and 0.0 <= v < float("inf"):
+        return float(v)
+    return None
 
 
 def instance_view(

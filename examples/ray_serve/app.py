@@ -20,7 +20,10 @@ TTFT is measured by the client: from the handle call to the first streamed item 
 routing decision and Ray's transport). KV hit rate = prompt tokens served from cache (the engine's
 ``cached_tokens``) / all prompt tokens. ``--repeat N`` replays the workload N times per router,
 interleaved (round k runs every router once, the order rotated by k, each on a fresh app), and
-prints each run and the mean over the runs. ``--json FILE`` writes
+prints each run and the mean over the runs. ``--record FILE`` writes the first router's first run as
+a ``kvroute`` trace (arrival times as replayed, the router's block chains), so that
+``kvroute sim --trace FILE --instances 2 --kv-tokens 16384`` replays the same traffic under every
+policy of the registry with exact views. ``--json FILE`` writes
 ``{"routers": {NAME: {"requests", "kv_hit_rate", "ttft_ms": {"mean", "p99"}, "per_replica"}}, "runs": [...], ...}``
 (``routers``: the means over the runs; ``runs``: one such mapping per round).
 
@@ -79,6 +82,7 @@ class Turn:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     replica: str = ""
+    messages: list[dict[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -125,7 +129,7 @@ async def run_chat(handle: Any, chat: Chat, max_tokens: int, t0: float) -> None:
     msgs = [{"role": "system", "content": chat.system}]
     for user, think in zip(chat.users, chat.thinks, strict=True):
         msgs.append({"role": "user", "content": user})
-        turn = Turn(chat.index, time.perf_counter() - t0)
+        turn = Turn(chat.index, time.perf_counter() - t0, messages=list(msgs))
         start = time.perf_counter()
         last: dict[str, Any] = {}
         async for item in handle.options(stream=True).remote(ChatBody(list(msgs), max_tokens)):
@@ -203,6 +207,29 @@ def summarize(chats: list[Chat], wall_s: float) -> dict[str, Any]:
     }
 
 
+def record(chats: list[Chat], path: str, max_tokens: int) -> int:
+    """Write the turns of ``chats`` (their arrival times as replayed, their prompts as the router's
+    block chains) as a ``kvroute`` trace that ``kvroute sim --trace`` replays; returns the count."""
+    from kvroute.integrations.prompts import PromptChains
+    from kvroute.prepare.tokenize import RequestTokenizer
+    from kvroute.tokenizer import load_tokenizer
+    from kvroute.workloads.record import RecordedRequest, TraceRecorder
+
+    chains = PromptChains(RequestTokenizer(load_tokenizer()), 16)
+    turns = sorted((t for c in chats for t in c.turns), key=lambda t: t.at)
+    with open(path, "wb") as f:
+        rec = TraceRecorder(f, 16, clock=lambda: 0.0, started_unix=time.time())
+        for t in turns:
+            req = chains.route_request({"messages": t.messages, "max_tokens": max_tokens})
+            ticket, at = rec.begin(t.at)
+            session = str(t.conversation)
+            rec.finish(
+                ticket, RecordedRequest(at, req.prompt_tokens, max_tokens, req.chain, "emulated", session)
+            )
+        rec.close()
+    return len(turns)
+
+
 def mean_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The mean of one router's run summaries (requests, KV hit rate, TTFT mean and p99, wall)."""
     n = len(runs)
@@ -245,8 +272,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--routers", default=None, help="comma-separated subset of kvroute,ray-default,ray-prefix")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=1, help="runs per router, interleaved")
+    p.add_argument(
+        "--record",
+        default=None,
+        metavar="FILE",
+        help="write the first run's traffic of the first router as a kvroute trace (for kvroute sim --trace)",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
+    settings = {k: v for k, v in vars(args).items() if k not in ("json", "record")}
     if args.replicas < 1 or args.conversations < 1 or args.turns < 1 or args.rate <= 0 or args.repeat < 1:
         print(
             "error: --replicas, --conversations, --turns, --rate and --repeat must be positive",
@@ -296,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 asyncio.run(replay())
                 results[name] = summarize(chats, time.perf_counter() - t0)
+                if args.record and k == 0 and name == names[0]:
+                    print(f"recorded {record(chats, args.record, args.max_tokens)} requests to {args.record}")
                 print(f"run {k + 1}, {name}: done in {results[name]['wall_seconds']:.1f} s", flush=True)
                 serve.delete(app)
             runs.append({n: results[n] for n in names})
@@ -312,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = {
             "routers": means if args.repeat > 1 else runs[0],
             "runs": runs,
-            "settings": {k: v for k, v in vars(args).items() if k != "json"},
+            "settings": settings,
             "machine": {
                 "cpus": args.num_cpus,
                 "platform": platform.platform(),

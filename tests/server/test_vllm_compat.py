@@ -5,6 +5,7 @@ ports) and the router with explanation headers, comparing the router's predicted
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -146,3 +147,54 @@ async def test_cache_salt_salted_repeat_hits_and_unsalted_same_text_misses(
     assert {e.extra_keys[0] if e.extra_keys else None for e in roots} == {("tenant-a",), ("tenant-b",), None}
     assert all(e.extra_keys is not None and len(e.extra_keys) == len(e.block_hashes) for e in seen)
     assert all(k is None for e in seen if e.parent_block_hash is not None for k in e.extra_keys or ())
+
+
+async def conversation_run(
+    fleet: Fleet, turns: int, convs: int, salt: str | None = None
+) -> list[tuple[int, int, str]]:
+    """``convs`` conversations of ``turns`` turns sharing a system prompt, one request at a time, the
+    view settled before each: ``(predicted, reported, engine block size header)`` per request."""
+    out: list[tuple[int, int, str]] = []
+    extra = {} if salt is None else {"cache_salt": salt}
+    async with aiohttp.ClientSession() as s:
+        history = [[SYSTEM] for _ in range(convs)]
+        for turn in range(turns):
+            for c in range(convs):
+                msgs = history[c]
+                msgs.append(
+                    {"role": "user", "content": f"Conversation {c}, question {turn}: why? " * (3 + turn)}
+                )
+                await asyncio.sleep(0.05)
+                await settle(fleet)
+                body = {"model": MODEL, "messages": msgs, "max_tokens": 6, **extra}
+                async with s.post(fleet.url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    data = await r.json()
+                    pred = int(r.headers["x-kvroute-cached-tokens"])
+                    ebs = r.headers["x-kvroute-engine-block-size"]
+                out.append((pred, data["usage"]["prompt_tokens_details"]["cached_tokens"], ebs))
+                msgs.append({"role": "assistant", "content": data["choices"][0]["message"]["content"]})
+    return out
+
+
+@pytest.mark.parametrize("engine_bs", [16, 32, 128])
+async def test_predicted_cached_tokens_in_whole_engine_blocks(
+    fleet: Fleet, tokenizer: Tokenizer, engine_bs: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fix 2: the router (block size 16) learns each engine's block size (``cache_config_info`` and
+    ``BlockStored.block_size``) and predicts hits in whole engine blocks: over a multi-turn run the
+    predicted ``cached_tokens`` equal the engine's, request by request; the explanation header names
+    the engine's block size; a differing size is logged once per backend."""
+    caplog.set_level("WARNING", logger="kvroute.server")
+    for _ in range(2):
+        await fleet.engine(tokenizer, block_size=engine_bs)
+    await fleet.start(tokenizer)
+    assert fleet.router is not None
+    kv = fleet.router.state.kv
+    assert await eventually(lambda: all(kv.engine_block_size(i) == engine_bs for i in range(2)))
+    rows = await conversation_run(fleet, turns=4, convs=3)
+    assert [p for p, _, _ in rows] == [r for _, r, _ in rows]
+    assert sum(r for _, r, _ in rows) > 0 and all(r % engine_bs == 0 for _, r, _ in rows)
+    assert {h for _, _, h in rows} == {str(engine_bs)}
+    lines = [r for r in caplog.records if "caches in blocks of" in r.getMessage()]
+    assert len(lines) == (0 if engine_bs == 16 else 2)

@@ -108,6 +108,11 @@ class KVView:
         self.corrections = 0
         # Called with the backend index on AllBlocksCleared (cold start: the backend warms up again).
         self.on_cleared: Callable[[int], None] | None = None
+        # Per backend: the engine's own block size, tokens, as learned (BlockStored.block_size, the
+        # engine's cache_config_info); absent: assumed equal to ``block_size``.
+        self.engine_blocks: dict[int, int] = {}
+        # Called with (backend, engine block size) when a backend's learned size changes.
+        self.on_engine_block_size: Callable[[int, int], None] | None = None
 
     def _now(self, now: float) -> float:
         # The approximate index refuses time going backwards; keep ours monotone.
@@ -115,6 +120,29 @@ class KVView:
             now = self._last_now
         self._last_now = now
         return now
+
+    def engine_block_size(self, backend: int) -> int:
+        """The engine block size of ``backend`` in tokens (the router's own until one is learned)."""
+        return self.engine_blocks.get(backend, self.block_size)
+
+    def set_engine_block_size(self, backend: int, tokens: int) -> None:
+        """``backend``'s engine caches in blocks of ``tokens`` (from its metrics or events); calls
+        ``on_engine_block_size`` when that changes what was known. Ignores ``tokens < 1``."""
+        if tokens >= 1 and self.engine_blocks.get(backend) != tokens:
+            self.engine_blocks[backend] = tokens
+            if self.on_engine_block_size is not None:
+                self.on_engine_block_size(backend, tokens)
+
+    def cached_tokens(self, backend: int, matched_blocks: int, prompt_tokens: int) -> int:
+        """The prompt tokens ``backend`` will serve from its cache, given ``matched_blocks`` router
+        blocks of the prompt known cached there: vLLM hits whole engine blocks only, and never the
+        prompt's last token (it always computes one), so the matched prefix is cut to
+        ``prompt_tokens - 1`` and then down to whole engine blocks. Pure."""
+        tokens = min(matched_blocks * self.block_size, prompt_tokens - 1)
+        if tokens <= 0:
+            return 0
+        ebs = self.engine_blocks.get(backend, self.block_size)
+        return tokens - tokens % ebs
 
     def mode(self, backend: int, now: float) -> str:
         """``"approx"``, ``"exact"`` or ``"recovering"``."""
@@ -141,6 +169,7 @@ class KVView:
         self._hash_maps.pop(backend, None)
         self._pages.pop(backend, None)
         self._recover_until.pop(backend, None)
+        self.engine_blocks.pop(backend, None)
         self._removed.add(backend)
 
     def set_exact(self, backend: int, exact: bool, now: float) -> None:
@@ -248,6 +277,8 @@ class KVView:
                     self.on_cleared(backend)
 
     def _stored(self, backend: int, hmap: dict[int, int], ev: BlockStored) -> None:
+        if ev.block_size > self.engine_blocks.get(backend, 0):  # SGLang: a node's last page may be shorter
+            self.set_engine_block_size(backend, ev.block_size)
         if not self.rehash:
             self.exact.store(backend, ev.block_hashes)
             return

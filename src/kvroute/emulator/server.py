@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -87,6 +88,8 @@ from kvroute.kvevents import EventFormat
 from kvroute.tokenizer import Tokenizer
 
 __all__ = ["FILLER_WORDS", "EmulatorServer", "EmulatorSettings", "KVEventsSettings"]
+
+log = logging.getLogger("kvroute.emulator")
 
 FILLER_WORDS = (
     *("the", "of", "and", "to", "in", "is", "that", "it", "for", "on", "with", "as", "was", "by", "at"),
@@ -227,6 +230,7 @@ class EmulatorServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         if self.settings.flavor == "sglang":
             app.router.add_get("/get_model_info", self.model_info)
         return app
@@ -279,6 +283,15 @@ class EmulatorServer:
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         names = request.query.getall("name[]", [])
         return web.Response(body=self.metrics.render(names), headers={"Content-Type": CONTENT_TYPE})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /reset_prefix_cache`` (there behind ``VLLM_SERVER_DEV_MODE=1``; always served
+        here): the prefix cache is dropped now (refused, and logged, while a running request holds
+        cached blocks, as vLLM), and ``AllBlocksCleared`` goes out with the engine's next step, as
+        vLLM publishes it: until a request makes the engine step, subscribers have not seen it."""
+        if not self.model.reset_prefix_cache():
+            log.warning("failed to reset the prefix cache: running requests still hold cached blocks")
+        return web.Response(status=200)
 
     async def models(self, request: web.Request) -> web.Response:
         name = self.settings.model_name

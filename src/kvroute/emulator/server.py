@@ -163,6 +163,7 @@ class EmulatorServer:
         self.served = (settings.model_name, *settings.lora_modules)  # base model first
         self._lora_ids = {name: i + 1 for i, name in enumerate(settings.lora_modules)}
         self._adapter_blocks: dict[int, str] = {}  # block hash -> adapter of the request that hashed it
+        self._claimed: set[str] = set()  # request ids handed out and not yet answered
         self.publisher: KVEventPublisher | None = None
         if settings.kv_events is not None:
             kv = settings.kv_events
@@ -389,11 +390,13 @@ class EmulatorServer:
     def _request_id(self, request: web.Request, prefix: str) -> str:
         """``<prefix>-<X-Request-Id>`` when usable and not in use, else ``<prefix>-<random hex>``."""
         xrid = request.headers.get("X-Request-Id", "")
+        rid = f"{prefix}-{uuid.uuid4().hex}"
         if xrid and len(xrid) <= 256 and xrid.isprintable():
-            rid = f"{prefix}-{xrid}"
-            if not self.driver.known(rid):
-                return rid
-        return f"{prefix}-{uuid.uuid4().hex}"
+            mine = f"{prefix}-{xrid}"
+            if not self.driver.known(mine) and mine not in self._claimed:
+                rid = mine
+        self._claimed.add(rid)  # until its handler ends: a D leg submits only after P's blocks are read
+        return rid
 
     def _kv_params(self, body: Any) -> KVParams:
         """The request's P/D role; ApiError 400 when this engine's ``kv_role`` cannot play it."""
@@ -545,6 +548,14 @@ class EmulatorServer:
         }
 
     async def _generate(
+        self, request: web.Request, req: GenerateRequest, rid: str, kvp: KVParams
+    ) -> web.StreamResponse:
+        try:
+            return await self._answer(request, req, rid, kvp)
+        finally:
+            self._claimed.discard(rid)
+
+    async def _answer(
         self, request: web.Request, req: GenerateRequest, rid: str, kvp: KVParams
     ) -> web.StreamResponse:
         if req.stream:

@@ -94,7 +94,7 @@ class RouterServer:
         tok = tokenizer or load_tokenizer(config.tokenizer, chat_template=config.chat_template)
         self.state = RouterState(
             config,
-            RequestTokenizer(tok, config.tokenizer_cache_entries),
+            RequestTokenizer(tok, config.tokenizer_cache_entries, config.tokenizer_cache_tokens),
             make_policy(config.policy),
             clock,
             table,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -85,6 +86,8 @@ from kvroute.engine.types import (
 )
 from kvroute.kvevents import EventFormat
 from kvroute.tokenizer import Tokenizer
+
+log = logging.getLogger("kvroute.emulator")
 
 __all__ = ["FILLER_WORDS", "EmulatorServer", "EmulatorSettings", "KVEventsSettings"]
 
@@ -211,6 +214,7 @@ class EmulatorServer:
         self.app = self._build_app()
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
+        self.disconnects = 0  # streams whose client went away before their end (one debug line each)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _build_app(self) -> web.Application:
@@ -607,9 +611,13 @@ class EmulatorServer:
             with contextlib.suppress(ConnectionError):
                 await resp.write(_sse(exc.body()))
                 await resp.write(b"data: [DONE]\n\n")
-        except (ConnectionError, asyncio.CancelledError):
+        except (ConnectionError, asyncio.CancelledError) as exc:
             await gen.aclose()  # aborts the request and frees its blocks
-            raise
+            self.disconnects += 1  # an ordinary event: counted, one debug line, no traceback
+            log.debug("request %s: client went away after %d tokens (%s)", rid, sent, type(exc).__name__)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return resp
         finally:
             await gen.aclose()
         with contextlib.suppress(ConnectionError):

@@ -15,7 +15,11 @@ the same methods, so the simulator simulates what the router sees.
   A block cached for a LoRA adapter (``BlockStored.lora_name``) is re-hashed with that adapter as
   extra key (:func:`kvroute.blocks.extra_key`), as the router hashes a request for the adapter, so
   adapter blocks never match base-model requests; a block with a ``lora_id`` but no name (older
-  engines) is skipped (its name is unknown). Events whose blocks are not the router's blocks (SGLang
+  engines) is skipped (its name is unknown). The blocks' ``extra_keys`` (vLLM 0.32) are honoured the
+  same way (:func:`kvroute.blocks.event_key`): a ``cache_salt`` in a prompt's first block is recorded
+  as that salt's chain, so a salted prefix matches only requests with the same salt (which the
+  request side hashes into their first block, as vLLM), and blocks with multimodal or embedding
+  keys are recorded under keys no text request has. Events whose blocks are not the router's blocks (SGLang
   sends one event per *page*, 1 token by default; an engine may use a larger block size) are
   **re-blocked**: each engine block keeps the router hash of the last full router block before its
   end and the tokens after it, and stores the router blocks it completes; its ``BlockRemoved``
@@ -36,8 +40,9 @@ missed blocks (up to the configured capacity). Additive increase, multiplicative
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from itertools import groupby
 
-from kvroute.blocks import extra_key, hash_blocks
+from kvroute.blocks import event_key, extra_key, hash_blocks
 from kvroute.engine.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvroute.index import ApproxPrefixIndex, PrefixIndex
 
@@ -47,6 +52,16 @@ _SHRINK = 0.9
 
 
 _Page = tuple[int | None, tuple[int, ...], tuple[int, ...]]
+_Keys = str | bytes | None | list[str | bytes | None]  # one key for all of an event's blocks, or one each
+
+
+def _block_keys(ev: BlockStored) -> _Keys:
+    """The router's extra key of each of ``ev``'s blocks (:func:`kvroute.blocks.event_key`): one key
+    when they all have the same (the common case), else a list with one per block."""
+    if ev.extra_keys is None or not any(ev.extra_keys):
+        return extra_key(ev.lora_name)
+    keys = [event_key(ev.lora_name, k) for k in ev.extra_keys]
+    return keys[0] if keys.count(keys[0]) == len(keys) else keys
 
 
 class KVView:
@@ -242,7 +257,7 @@ class KVView:
         if len(ev.token_ids) != n * ebs or (ev.lora_id is not None and ev.lora_name is None):
             self.skipped_blocks += n
             return
-        key = None if ev.lora_name is None else extra_key(ev.lora_name)
+        keys = _block_keys(ev)
         tail: tuple[int, ...] = ()
         if ev.parent_block_hash is None:
             parent = None
@@ -255,9 +270,17 @@ class KVView:
                     return
                 parent, tail, _ = page
         if ebs != bs or tail:
-            self._reblocked(backend, ev, parent, tail, key)
+            self._reblocked(backend, ev, parent, tail, keys)
             return
-        ours = hash_blocks(ev.token_ids, bs, key, parent=parent)
+        if isinstance(keys, list):  # the blocks' keys differ: hash each run of equal keys
+            ours = []
+            start = 0
+            for key, run in groupby(keys):
+                end = start + len(list(run))
+                ours += hash_blocks(ev.token_ids[start * bs : end * bs], bs, key, parent=parent)
+                parent, start = ours[-1], end
+        else:
+            ours = hash_blocks(ev.token_ids, bs, keys, parent=parent)
         for eh, oh in zip(ev.block_hashes, ours, strict=True):
             hmap[eh] = oh
         self.exact.store(backend, ours)
@@ -268,7 +291,7 @@ class KVView:
         ev: BlockStored,
         parent: int | None,
         tail: tuple[int, ...],
-        key: str | bytes | None,
+        keys: _Keys,
     ) -> None:
         """Store ``ev``'s engine blocks, whose size is not the router's, as the router blocks they
         complete (see the module docstring); ``parent``/``tail``: the state after the parent block."""
@@ -281,6 +304,7 @@ class KVView:
             full = len(tokens) // bs
             done: tuple[int, ...] = ()
             if full:
+                key = keys[i] if isinstance(keys, list) else keys
                 done = tuple(hash_blocks(tokens[: full * bs], bs, key, parent=parent))
                 parent = done[-1]
                 stored.extend(done)

@@ -30,8 +30,9 @@ the same methods, so the simulator simulates what the router sees.
   cleared and, for ``recovery_s`` seconds, its match is ``max(exact, approximate)`` (new events are
   exact; the history covers what was cached before the gap); then it is exact again.
 
-Shortfall evidence (any mode, :meth:`KVView.on_usage`): a response whose real ``cached_tokens`` is
-below half the prediction and short by at least one engine block drops that backend's history and,
+Shortfall evidence (backends with KV events, :meth:`KVView.on_usage`): a response whose real
+``cached_tokens`` is below half the prediction and short by at least one engine block drops that
+backend's history and,
 unless an ``AllBlocksCleared`` reached the view after the request was routed, its exact entries,
 keeping the request's own prompt (see ``_shortfall``). vLLM publishes ``AllBlocksCleared`` only with
 its next step, so the requests routed between a reset and that step are mispredicted; the ones after
@@ -238,7 +239,8 @@ class KVView:
         """The engine reported ``cached_tokens`` for a request predicted to hit ``predicted_blocks``
         on ``backend``: adjust that backend's approximate capacity (approximate mode only); on any
         backend, a shortfall is evidence (:meth:`_shortfall`)."""
-        self._shortfall(backend, chain, cached_tokens, predicted_blocks, now)
+        if self._shortfall(backend, chain, cached_tokens, predicted_blocks, now):
+            return
         if backend in self._exact_set and self.mode(backend, now) == "exact":
             return
         reported = min(cached_tokens // self.block_size, len(chain))
@@ -256,33 +258,33 @@ class KVView:
 
     def _shortfall(
         self, backend: int, chain: Sequence[int], cached_tokens: int, predicted_blocks: int, now: float
-    ) -> None:
+    ) -> bool:
         """A real ``cached_tokens`` far below the prediction (below half of it, and short by at least
         one engine block) is evidence that ``backend`` lost what the view says it holds: a
         prefix-cache reset (vLLM publishes its ``AllBlocksCleared`` only with its next step), or
-        evictions whose events were lost. Counted per backend in ``shortfalls``. The backend's
-        routing history is dropped (it believed the lost blocks too). Its exact view is dropped as
-        well, unless a clear reached the view after the request was routed (the event explained the
-        shortfall, and what was stored since is real). Either way the engine now holds this
-        request's prompt (it just computed it), in whole engine blocks: that is kept."""
+        evictions whose events were lost. Counted per backend in ``shortfalls``. On a backend with
+        KV events (True is returned): its routing history is dropped (it believed the lost blocks
+        too), and so is its exact view, unless a clear reached the view after the request was routed
+        (the event explained the shortfall, and what was stored since is real); either way the
+        engine now holds this request's prompt (it just computed it), in whole engine blocks: that is
+        kept. An approximate backend's capacity correction handles it (False)."""
         predicted = predicted_blocks * self.block_size
-        if not (
-            cached_tokens * 2 < predicted and predicted - cached_tokens >= self.engine_block_size(backend)
-        ):
-            return
-        self.shortfalls[backend] = self.shortfalls.get(backend, 0) + 1
         ebs = self.engine_block_size(backend)
+        if not (cached_tokens * 2 < predicted and predicted - cached_tokens >= ebs):
+            return False
+        self.shortfalls[backend] = self.shortfalls.get(backend, 0) + 1
+        if backend not in self._exact_set:
+            return False
         held = chain[: len(chain) * self.block_size // ebs * ebs // self.block_size]
         self.approx.clear(backend)
         if held:
             self.approx.assign(backend, held, self._now(now))
-        if backend not in self._exact_set:
-            return
         epoch = self._routed_epoch.pop((backend, chain[-1]), None) if chain else None
         if epoch is not None and epoch != self._clears.get(backend, 0):
-            return
+            return True
         self.exact.clear(backend)  # the engine-hash maps stay: later BlockRemoved events still resolve
         self.exact.store(backend, held)
+        return True
 
     def expire(self, now: float) -> int:
         """Drop approximate entries past their TTL; returns how many."""

@@ -88,7 +88,7 @@ def test_kv_view_keys_adapter_blocks() -> None:
     assert kv.match(hash_blocks(tokens, 16, extra_key("sql")), 0.0) == [4, 0]
     assert kv.match(hash_blocks(tokens, 16), 0.0) == [0, 0]
     assert kv.skipped_blocks == 4
-    assert extra_key(None, "salt") == "salt" and extra_key("a", "b") != extra_key("a")
+    assert extra_key(None, "salt") != extra_key(None) and extra_key("a", "b") != extra_key("a")
 
 
 def _state(i: int) -> BackendState:
@@ -140,3 +140,26 @@ def test_config_backend_models_and_engine() -> None:
         config_from_mapping({"backends": [{"url": "http://a:1", "engine": "tgi"}]}, "f.yaml")
     with pytest.raises(UserError, match="models"):
         config_from_mapping({"backends": [{"url": "http://a:1", "models": "m"}]}, "f.yaml")
+
+
+def test_kv_view_records_a_salted_prefix_as_salted() -> None:
+    """vLLM 0.32 events carry a salted request's ``cache_salt`` in its first block's ``extra_keys``:
+    the exact view records the salt's chain, so the salted repeat matches and the same text unsalted
+    (or under another salt) does not; a later event continuing that prompt (no salt in its keys)
+    extends the salted chain. Engine blocks of 64 tokens (re-blocked) carry the salt the same way."""
+    tokens = tuple(range(96))
+    salted = hash_blocks(tokens, 16, extra_key(None, "t1"))
+    for ebs in (16, 32):
+        kv = KVView(1, 16, 1024, None, 0.0, exact_backends=[0])
+        n = 64 // ebs
+        first = BlockStored(
+            tuple(range(1, n + 1)), None, tokens[:64], ebs, extra_keys=(("t1",), *([None] * (n - 1)))
+        )
+        m = 32 // ebs
+        more = BlockStored(tuple(range(90, 90 + m)), n, tokens[64:96], ebs, extra_keys=(None,) * m)
+        kv.apply_events(0, [first])
+        assert kv.match(salted, 0.0) == [4]
+        assert kv.match(hash_blocks(tokens, 16), 0.0) == [0]
+        assert kv.match(hash_blocks(tokens, 16, extra_key(None, "t2")), 0.0) == [0]
+        kv.apply_events(0, [more])
+        assert kv.match(salted, 0.0) == [6]

@@ -83,7 +83,7 @@ vllm:cache_config_info{block_size="16",num_gpu_blocks="4096"} 1.0
 
 def test_parse_vllm_metrics() -> None:
     m = parse_vllm_metrics(VLLM_METRICS, at=5.0)
-    assert m == ScrapedMetrics(running=4, waiting=2, kv_usage=0.25, at=5.0, num_kv_blocks=4096)
+    assert m == ScrapedMetrics(running=4, waiting=2, kv_usage=0.25, at=5.0, num_kv_blocks=4096, block_size=16)
     assert parse_vllm_metrics(b"other_metric 1\n", at=0.0) is None
 
 

@@ -104,6 +104,7 @@ class KVEventsSettings:
     replay_endpoint: str | None = None
     connect: bool = False
     page_size: int = 0  # fmt "sglang": tokens per page (0: the block size)
+    buffer_steps: int = 10_000  # batches kept for replay (vLLM's KVEventsConfig.buffer_steps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +164,7 @@ class EmulatorServer:
         self.served = (settings.model_name, *settings.lora_modules)  # base model first
         self._lora_ids = {name: i + 1 for i, name in enumerate(settings.lora_modules)}
         self._adapter_blocks: dict[int, str] = {}  # block hash -> adapter of the request that hashed it
+        self._salted: dict[int, str] = {}  # first block hash of a salted prompt -> its cache_salt
         self.publisher: KVEventPublisher | None = None
         if settings.kv_events is not None:
             kv = settings.kv_events
@@ -180,6 +182,7 @@ class EmulatorServer:
                 replay_endpoint=kv.replay_endpoint,
                 connect=kv.connect,
                 pages_per_block=pages,
+                buffer_steps=kv.buffer_steps,
             )
         pub = self.publisher
         self.driver = EngineDriver(
@@ -300,19 +303,26 @@ class EmulatorServer:
         return web.json_response({"model_path": name, "tokenizer_path": name, "is_generation": True})
 
     def _tag(self, events: list[KVEvent]) -> list[KVEvent]:
-        """Name the adapter in the ``BlockStored`` events of adapter requests' blocks (and forget
-        removed blocks)."""
-        blocks = self._adapter_blocks
-        if not blocks:
-            return events
+        """What vLLM 0.32 adds to a ``BlockStored``: ``extra_keys`` (one entry per block: the
+        adapter's name in each block of an adapter request, then a salted prompt's ``cache_salt`` in
+        its first block; None for a block with neither), ``group_idx`` 0 and, for adapter blocks,
+        ``lora_id``/``lora_name``. Forgets removed blocks."""
+        blocks, salted = self._adapter_blocks, self._salted
         out: list[KVEvent] = []
         for ev in events:
-            if isinstance(ev, BlockStored) and ev.block_hashes and ev.block_hashes[0] in blocks:
-                name = blocks[ev.block_hashes[0]]
-                ev = replace(ev, lora_id=self._lora_ids[name], lora_name=name)
+            if isinstance(ev, BlockStored) and ev.block_hashes:
+                name = blocks.get(ev.block_hashes[0])
+                salt = salted.get(ev.block_hashes[0]) if ev.parent_block_hash is None else None
+                keys: list[tuple[object, ...] | None] = [(name,) if name else None] * len(ev.block_hashes)
+                if salt is not None:
+                    keys[0] = (name, salt) if name else (salt,)
+                ev = replace(ev, extra_keys=tuple(keys), group_idx=0)
+                if name is not None:
+                    ev = replace(ev, lora_id=self._lora_ids[name], lora_name=name)
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
                     blocks.pop(h, None)
+                    salted.pop(h, None)
             out.append(ev)
         return out
 
@@ -451,9 +461,11 @@ class EmulatorServer:
         adapter = req.model if req.model in self._lora_ids else None
         hashes: list[int] = []
         if self.engine_config.enable_prefix_caching:
-            hashes = hash_blocks(req.prompt_ids, bs, extra_key(adapter))
+            hashes = hash_blocks(req.prompt_ids, bs, extra_key(adapter, req.cache_salt))
             if adapter is not None:
                 self._adapter_blocks.update(dict.fromkeys(hashes, adapter))
+            if req.cache_salt is not None and hashes:
+                self._salted[hashes[0]] = req.cache_salt
         return EngineRequest(
             rid, len(req.prompt_ids), req.max_tokens, tuple(hashes), req.prompt_ids, remote_prefill, hold
         )

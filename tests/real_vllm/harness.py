@@ -60,6 +60,7 @@ def engine_settings(block_size: int, **kw: Any) -> VllmSettings:
         "served_model_name": SERVED,
         "block_size": block_size,
         "num_blocks": POOL_TOKENS // block_size,
+        "max_model_len": 4096,
         "extra_args": ("--trust-request-chat-template",),
     }
     base.update(kw)

@@ -123,19 +123,20 @@ async def test_multiturn_predicted_equals_real_cached_tokens(fleet: Fleet, route
     assert set(per_engine) == {0, 1}, per_engine  # both block sizes served some
     hits = [r for _, _, r in results if r.cached > 0]
     assert len(hits) > 50  # the conversations did come back to their cache
+    diag = [(s.backend, s.batches, s.gaps) for s in router.subscribers], router.state.kv.skipped_blocks
     wrong = [
         (c, t, BLOCKS[engine_index(fleet, r)], r.predicted, r.cached)
         for c, t, r in results
         if r.predicted != r.cached
     ]
-    assert not wrong, f"{len(wrong)} of 200 predictions off: {wrong[:10]}"
-    removed = sum(getattr(s, "removed_blocks", 0) for s in router.subscribers)
-    del removed  # (evictions are checked by test_evictions)
+    assert not wrong, (
+        f"{len(wrong)} of 200 predictions off (conversation, turn, engine block, predicted, real): {wrong[:10]}; subscribers (backend, batches, gaps), skipped blocks: {diag}"
+    )
 
 
 async def test_salted_repeat_and_unsalted_text(fleet: Fleet, router_factory: Any) -> None:
     """A salted prompt's repeat is a predicted hit on its holder; the same text unsalted, or with
-    another salt, is a predicted miss, as vLLM makes it."""
+    another salt, is a predicted miss, as vLLM makes it (the salt keys the first block)."""
     router = await router_factory(fleet.specs(), policy="lmetric-kv")
     await settle(router)
     msgs = [{"role": "user", "content": words(300, 400)}]
@@ -143,15 +144,19 @@ async def test_salted_repeat_and_unsalted_text(fleet: Fleet, router_factory: Any
         first = await post(http, router.url, "/v1/chat/completions", chat(msgs, cache_salt="s1"))
         await quiet(router)
         again = await post(http, router.url, "/v1/chat/completions", chat(msgs, cache_salt="s1"))
-        assert again.backend == first.backend and again.cached > 0 and again.predicted == again.cached
-        for extra in ({}, {"cache_salt": "s2"}):
-            await quiet(router)
-            other = await post(http, first.backend, "/v1/chat/completions", chat(msgs, **extra))
-            assert other.cached == 0  # vLLM: the salt is part of the first block's key
-            await quiet(router)
-        # the same text as the unsalted and s2 requests just sent directly: now a hit on that engine
+        assert again.backend == first.backend and again.cached > 0
+        assert again.predicted == again.cached
+        await quiet(router)
+        plain = await post(http, router.url, "/v1/chat/completions", chat(msgs))
+        assert plain.cached == 0  # vLLM: the unsalted text does not hit the salted blocks
+        assert plain.predicted == 0, f"predicted {plain.predicted} for the unsalted text on {plain.backend}"
+        await quiet(router)
+        other = await post(http, router.url, "/v1/chat/completions", chat(msgs, cache_salt="s2"))
+        assert other.predicted == other.cached == 0
+        await quiet(router)
+        # the unsalted text again: now a hit where the unsalted request went
         r = await post(http, router.url, "/v1/chat/completions", chat(msgs))
-        assert r.predicted == r.cached > 0
+        assert r.backend == plain.backend and r.predicted == r.cached > 0
 
 
 async def test_prompt_tokens_equal_vllm(fleet: Fleet, router_factory: Any, tokenizer: Any) -> None:
@@ -324,7 +329,7 @@ async def test_drain_backend(fleet: Fleet, router_factory: Any) -> None:
             for i in range(4)
         ]
         long = await slow
-        assert long.status == 200 and long.usage["completion_tokens"] == 200
+        assert long.status == 200 and long.usage["completion_tokens"] == 64
         assert {q.backend for q in quick} == {router.state.backends[1].url}
         async with http.post(f"{router.url}/admin/backends/{busy['id']}/undrain", headers=auth) as r:
             assert r.status == 202
@@ -339,7 +344,7 @@ async def test_engine_killed_mid_traffic(fleet: Fleet, router_factory: Any) -> N
     """SIGKILL one engine while requests flow: no client sees an error before its first byte (the
     router retries those on the other engine), and traffic goes on on the survivor. The conftest
     restarts the killed engine for later tests."""
-    router = await router_factory(fleet.specs(), policy="round-robin", eject_after=1)
+    router = await router_factory(fleet.specs(), policy="round-robin")
     await settle(router)
     victim = fleet.procs[1]
     errors: list[str] = []

@@ -198,3 +198,54 @@ async def test_predicted_cached_tokens_in_whole_engine_blocks(
     assert {h for _, _, h in rows} == {str(engine_bs)}
     lines = [r for r in caplog.records if "caches in blocks of" in r.getMessage()]
     assert len(lines) == (0 if engine_bs == 16 else 2)
+
+
+async def direct_chat(eng: EmulatorServer, messages: list[dict[str, str]]) -> dict[str, Any]:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            f"http://127.0.0.1:{eng.port}/v1/chat/completions",
+            json={"model": MODEL, "messages": messages, "max_tokens": 4},
+        ) as r,
+    ):
+        assert r.status == 200
+        out: dict[str, Any] = await r.json()
+        return out
+
+
+@pytest.mark.parametrize("buffer_steps", [10_000, 2], ids=["whole-buffer", "buffer-trimmed"])
+async def test_router_started_after_the_engines(
+    fleet: Fleet, tokenizer: Tokenizer, buffer_steps: int
+) -> None:
+    """Fix 5: the engines take traffic, then the router starts. It asks for the replay on subscribe
+    and its start waits for it: the first request is predicted exactly what the engine serves from
+    cache and goes to the engine holding its prefix. With a replay buffer of 2 batches (vLLM's
+    ``buffer_steps``) the buffer no longer starts at 0: the view is partial, counted
+    (``kvroute_kv_event_partial_replays``), and the backend routes on ``max(exact, approximate)``."""
+    for _ in range(2):
+        await fleet.engine(tokenizer, buffer_steps=buffer_steps)
+    warm = fleet.engines[1]
+    convs = [[SYSTEM, {"role": "user", "content": f"Tell me about river number {i}. " * 6}] for i in range(4)]
+    for msgs in convs:
+        await direct_chat(warm, msgs)
+    pub = warm.publisher
+    assert pub is not None and pub.seq > 2
+    await fleet.start(tokenizer)
+    router = fleet.router
+    assert router is not None
+    sub = router.subscribers[1]
+    assert sub.synced.is_set()
+    async with aiohttp.ClientSession() as s:
+        predicted, reported, backend, _ = await chat(s, fleet.url, convs[-1])
+        async with s.get(fleet.url + "/metrics") as r:
+            metrics = await r.text()
+    now = router.state.clock()
+    partial_line = f'kvroute_kv_event_partial_replays_total{{backend="{fleet.specs[1].url}"}}'
+    if buffer_steps > pub.seq:
+        assert backend == fleet.specs[1].url and predicted == reported > 0
+        assert sub.partial == 0 and router.state.kv.mode(1, now) == "exact"
+        assert f"{partial_line} 0.0" in metrics
+    else:
+        assert sub.partial == 1 and router.state.kv.mode(1, now) == "recovering"
+        assert f"{partial_line} 1.0" in metrics
+        assert predicted <= reported

@@ -133,6 +133,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH",
         help="LoRA adapters served as models besides --model, as vLLM's flag (only NAME matters here)",
     )
+    p.add_argument(
+        "--kv-events-buffer-steps",
+        type=int,
+        default=10_000,
+        help="event batches kept for replay, as vLLM's KVEventsConfig.buffer_steps (default 10000)",
+    )
     p.add_argument("--kv-events-topic", default="", help="ZMQ topic (default empty)")
     p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ ROUTER endpoint for replay")
     p.add_argument(
@@ -253,6 +259,8 @@ def build(args: argparse.Namespace) -> tuple[EmulatorSettings, Profile, Tokenize
             "--lora-modules is not emulated with --flavor sglang (its KV events do not name adapters)"
         )
     kv = None
+    if args.kv_events_buffer_steps < 1:
+        raise UserError("--kv-events-buffer-steps must be >= 1")
     if args.kv_events_endpoint:
         kv = KVEventsSettings(
             args.kv_events_endpoint,
@@ -261,6 +269,7 @@ def build(args: argparse.Namespace) -> tuple[EmulatorSettings, Profile, Tokenize
             args.kv_events_replay_endpoint,
             args.kv_events_connect,
             page or 0,
+            args.kv_events_buffer_steps,
         )
     settings = EmulatorSettings(
         args.model,

@@ -240,6 +240,16 @@ class KVView:
 
     # ---- exact view ----------------------------------------------------------------------------
 
+    def begin_sync(self, backend: int) -> None:
+        """``backend``'s exact view is being filled from a replay (a router started after its
+        engines): until :meth:`end_sync` (or :meth:`reset`) its match is ``max(exact, approximate)``."""
+        self._recover_until[backend] = float("inf")
+
+    def end_sync(self, backend: int, now: float) -> None:
+        """The replay caught up: ``backend`` is exact again (unless a reset made it recover)."""
+        if self._recover_until.get(backend) == float("inf"):
+            self._recover_until[backend] = now
+
     def reset(self, backend: int, now: float) -> None:
         """The event stream of ``backend`` has an unrecoverable gap: clear its exact entries and use
         ``max(exact, approximate)`` for ``recovery_s`` seconds."""

@@ -314,7 +314,7 @@ async def test_drain_backend(fleet: Fleet, router_factory: Any) -> None:
     auth = {"Authorization": f"Bearer {ADMIN}"}
     async with aiohttp.ClientSession() as http:
         body = chat(
-            [{"role": "user", "content": words(900, 30)}], max_tokens=200, stream=True, ignore_eos=True
+            [{"role": "user", "content": words(900, 30)}], max_tokens=64, stream=True, ignore_eos=True
         )
         body["stream_options"] = {"include_usage": True}
         slow = asyncio.create_task(post(http, router.url, "/v1/chat/completions", body))

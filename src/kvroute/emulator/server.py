@@ -104,7 +104,7 @@ class KVEventsSettings:
     """Where and how KV events are published (see :mod:`kvroute.emulator.publisher`)."""
 
     endpoint: str
-    fmt: EventFormat = "array"
+    fmt: EventFormat = "map"  # vLLM 0.10+ (0.32 included) sends maps tagged "type"
     topic: str = ""
     replay_endpoint: str | None = None
     connect: bool = False

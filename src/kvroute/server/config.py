@@ -100,7 +100,8 @@ class RouterConfig:
       are dropped.
     - ``kv_recovery_s``: after an unrecovered event gap the backend's exact view is cleared and the
       approximate view is used (merged with new events) for this long.
-    - ``tokenizer_cache_entries``: per-message token cache size (messages).
+    - ``tokenizer_cache_entries``: per-message token cache size (messages); ``tokenizer_cache_tokens``:
+      the most token ids it holds in all (about 40 bytes each; the block-hash memo has the same bound).
     - ``chat_template``: a Jinja chat template file (see :mod:`kvroute.chat_template`); by default
       the tokenizer folder's own template, else ChatML.
     - ``tokenize``: ``"exact"`` (default) tokenizes the whole prompt before routing. ``"defer"``
@@ -163,6 +164,7 @@ class RouterConfig:
     approx_ttl_s: float = 600.0
     kv_recovery_s: float = 30.0
     tokenizer_cache_entries: int = 65536
+    tokenizer_cache_tokens: int = 2_000_000
     tokenize: str = "exact"
     retry_after_s: int = 1
     drain_grace_s: float = 2.0
@@ -234,6 +236,7 @@ class RouterConfig:
             ("approx_ttl_s", self.approx_ttl_s > 0),
             ("kv_recovery_s", self.kv_recovery_s >= 0),
             ("tokenizer_cache_entries", self.tokenizer_cache_entries >= 0),
+            ("tokenizer_cache_tokens", self.tokenizer_cache_tokens >= 0),
             ("port", 0 <= self.port <= 65535),
             ("retry_after_s", self.retry_after_s >= 0),
             ("drain_grace_s", 0 <= self.drain_grace_s < float("inf")),

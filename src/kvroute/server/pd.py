@@ -65,6 +65,7 @@ from kvroute.server.observe.observer import request_id
 from kvroute.server.state.backends import parse_vllm_metrics
 from kvroute.server.state.pdpools import ROLES, PDBackend, PDChanges, PDInstance, PDMembership
 from kvroute.server.sync.discovery import ParseBackends, Resolver, Source, make_source
+from kvroute.server.wire.httperrors import JsonErrorRunner, RateLimitedLog, json_errors
 from kvroute.server.wire.pdrelay import LegFailed, relay_stream, relay_whole
 from kvroute.server.wire.transport import (
     AiohttpTransport,
@@ -191,10 +192,13 @@ class PDServer:
         self._runner: web.AppRunner | None = None
         self._http: aiohttp.ClientSession | None = None
         self.port: int | None = None
+        self.bad_requests = RateLimitedLog()  # one line a second per kind of bad request
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app = web.Application(
+            client_max_size=self.config.max_body_bytes, middlewares=[json_errors(self.bad_requests)]
+        )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -205,7 +209,9 @@ class PDServer:
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None)
+        runner = JsonErrorRunner(
+            self.make_app(), self.bad_requests, handler_cancellation=True, access_log=None
+        )
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         await site.start()

@@ -11,8 +11,9 @@ Load as :mod:`kvroute.integrations.ray_serve` sees one replica, in the live rout
   the waiting count first, then the running count, and its prefill off the queued prefill
   (clamped at 0).
 
-**Where prefill ends.** A request's prefill ends at its first token, long before it completes (here
-about 55 ms of a 250 ms request); the live router sees the first byte and moves the request from
+**Where prefill ends.** A request's prefill ends at its first token, long before it completes (on
+the Ray example's emulated engine about 53 ms of a 266 ms request, docs/results/ray-serve.md); the
+live router sees the first byte and moves the request from
 waiting to running. A Ray router sees only dispatch and completion, so without more it would count
 every request routed since the snapshot as waiting with its whole prefill queued until it completes,
 and take a request that completed since the snapshot off the waiting count and the queued prefill

@@ -217,6 +217,7 @@ async def test_metrics_name_filter_serves_only_the_named_samples(server: Emulato
         "vllm:num_requests_waiting",
         "vllm:kv_cache_usage_perc",
         "vllm:gpu_cache_usage_perc",
+        "vllm:cache_config_info",
     }
     assert len(part) < len(whole) // 5
     assert parse_vllm_metrics(part, 1.0) == parse_vllm_metrics(whole, 1.0)

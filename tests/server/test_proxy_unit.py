@@ -445,3 +445,22 @@ async def test_client_gone_at_the_final_end_of_a_stream_is_a_disconnect(
         assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
     finally:
         await server.stop()
+
+
+async def test_peer_lmetric_bookkeeping_follows_the_live_requests(tokenizer: Tokenizer) -> None:
+    """aibrix-lmetric keeps its own pending counters in the live router: a request in flight counts
+    on its backend until it ends (retries included), and the same prompt again goes to the other
+    backend while the first is still pending, then back once it finished."""
+    t = FakeTransport({A: [Scripted(connect_error=True), Scripted()], B: [Scripted(), Scripted()]})
+    server = await start(t, tokenizer, A, B, policy="aibrix-lmetric")
+    try:
+        pol = server.state.routing.policy
+        status, _, _ = await post(server.url, BODY)
+        assert status == 200
+        first = t.calls[-1][0]
+        assert all(pol.pending(i) == (0, 0) for i in range(2))  # ended: released (the failed try too)
+        status, _, _ = await post(server.url, BODY)
+        assert status == 200 and t.calls[-1][0] == first  # its own table: the prompt's backend
+        assert counters_zero(server)
+    finally:
+        await server.stop()

@@ -111,7 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["array", "map", "sglang"],
         default=None,
         help="event encoding: array (older vLLM), map (newer) or sglang "
-        "(default: array, or sglang with --flavor sglang)",
+        "(default: map, as vLLM 0.32 sends; sglang with --flavor sglang)",
     )
     p.add_argument(
         "--kv-events-page-size",
@@ -132,6 +132,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME=PATH",
         help="LoRA adapters served as models besides --model, as vLLM's flag (only NAME matters here)",
+    )
+    p.add_argument(
+        "--kv-events-buffer-steps",
+        type=int,
+        default=10_000,
+        help="event batches kept for replay, as vLLM's KVEventsConfig.buffer_steps (default 10000)",
     )
     p.add_argument("--kv-events-topic", default="", help="ZMQ topic (default empty)")
     p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ ROUTER endpoint for replay")
@@ -240,7 +246,7 @@ def build(args: argparse.Namespace) -> tuple[EmulatorSettings, Profile, Tokenize
         max_model_len=max_len,
         report_tokens=True,
     )
-    fmt: EventFormat = args.kv_events_format or ("sglang" if args.flavor == "sglang" else "array")
+    fmt: EventFormat = args.kv_events_format or ("sglang" if args.flavor == "sglang" else "map")
     page = args.kv_events_page_size
     if page is not None:
         if fmt != "sglang":
@@ -253,6 +259,8 @@ def build(args: argparse.Namespace) -> tuple[EmulatorSettings, Profile, Tokenize
             "--lora-modules is not emulated with --flavor sglang (its KV events do not name adapters)"
         )
     kv = None
+    if args.kv_events_buffer_steps < 1:
+        raise UserError("--kv-events-buffer-steps must be >= 1")
     if args.kv_events_endpoint:
         kv = KVEventsSettings(
             args.kv_events_endpoint,
@@ -261,6 +269,7 @@ def build(args: argparse.Namespace) -> tuple[EmulatorSettings, Profile, Tokenize
             args.kv_events_replay_endpoint,
             args.kv_events_connect,
             page or 0,
+            args.kv_events_buffer_steps,
         )
     settings = EmulatorSettings(
         args.model,

@@ -127,10 +127,17 @@ class _SglangStatsCollector(Collector):
 
 
 class _StatsCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str, external: bool = False) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        model_name: str,
+        external: bool = False,
+        block_size: int = 16,
+    ) -> None:
         self._stats = stats
         self._model = model_name
         self._external = external
+        self._bs = block_size
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -153,6 +160,15 @@ class _StatsCollector(Collector):
         yield gauge(
             "vllm:gpu_cache_usage_perc", "GPU KV-cache usage (older name). 1 means 100 percent.", s.kv_usage
         )
+        # vLLM's CacheConfig as an info gauge (value 1; no model_name label); routers read
+        # block_size and num_gpu_blocks from it
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=["block_size", "num_gpu_blocks"],
+        )
+        info.add_metric([str(self._bs), str(s.num_kv_blocks)], 1.0)
+        yield info
         yield counter(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
@@ -211,7 +227,7 @@ class EngineMetrics:
         if flavor == "sglang":
             r.register(_SglangStatsCollector(stats, model_name, block_size))
         else:
-            r.register(_StatsCollector(stats, model_name, external))
+            r.register(_StatsCollector(stats, model_name, external, block_size))
         prefix = "sglang" if flavor == "sglang" else "vllm"
 
         def hist(name: str, doc: str, buckets: Sequence[float]) -> Any:

@@ -59,6 +59,12 @@ _ABORT_WAIT_S = 5.0
 """Seconds a shutdown waits for the requests it ended to write their last bytes."""
 
 
+SYNC_WAIT_S = 1.5
+"""At start, how long (seconds) the router waits for its engines' KV event replays (asked for on
+subscribe) before it returns from :meth:`RouterServer.start`; an engine that does not answer by then
+is routed approximately until its replay or its events arrive."""
+
+
 class RouterServer:
     """One router: config → app, loops, subscribers. ``transport``/``tokenizer`` may be injected
     (tests); by default :class:`~kvroute.server.wire.h1.H1Transport` and the configured tokenizer are used.
@@ -185,6 +191,7 @@ class RouterServer:
         self.url = f"http://{self.config.host}:{port}"
         if self.background:
             self._start_background()
+            await self.fleet.wait_synced(SYNC_WAIT_S)
         return self.url
 
     def _start_background(self) -> None:

@@ -128,7 +128,8 @@ class RouterConfig:
     - ``discover``: discovery sources, ``dns://NAME:PORT`` or ``file://PATH`` (see
       :mod:`kvroute.server.sync.discovery`), checked every ``discover_interval_s`` seconds; the backends
       they list join ``backends`` (which discovery never removes). ``discover_kv_events``: the KV event
-      endpoint of a DNS-discovered backend, a template with ``{host}`` (None: approximate view).
+      endpoint of a DNS-discovered backend, a template with ``{host}`` (None: approximate view). In a
+      P/D fleet a source takes a role, ``prefill=dns://...`` or ``decode=...`` (``kvroute.server.pd``).
     - ``models_interval_s``: how often each backend's ``/v1/models`` is read again (model pools).
     - ``peer_bind``, ``peers``, ``peer_expiry_s``, ``peer_refresh_s``: router replicas that share their
       reservations (:mod:`kvroute.server.sync.peers`): receive the other replicas' at ``peer_bind``
@@ -199,6 +200,7 @@ class RouterConfig:
                 "at least one backend is needed (--backend URL, 'backends' in the config, or --discover)"
             )
         for src in self.discover:
+            src = src.removeprefix("prefill=").removeprefix("decode=")  # a role: P/D mode
             if not src.startswith(("dns://", "file://")):
                 raise UserError(f"config: discover {src!r} must be dns://NAME:PORT or file://PATH")
         if self.discover_kv_events is not None and not self.discover_kv_events.startswith(

@@ -31,10 +31,11 @@ export it); ``kv_usage`` is the engine's; ``decode_blocks`` is the larger of the
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvroute.server.state.loadtable import LoadTable
-from kvroute.views import InstanceView
+from kvroute.views import Hold, InstanceView
 
 __all__ = [
     "ACTIVE",
@@ -96,6 +97,7 @@ class ScrapedMetrics:
     kv_usage: float
     at: float
     num_kv_blocks: int = 0
+    block_size: int = 0  # the engine's block size, tokens (cache_config_info's block_size; 0: not sent)
 
 
 def _sample_value(line: bytes) -> float | None:
@@ -115,12 +117,13 @@ def parse_vllm_metrics(text: bytes, at: float) -> ScrapedMetrics | None:
     """Parse vLLM's Prometheus text; None when it has neither running nor waiting gauges.
 
     Values of the same metric with different labels (e.g. several ``model_name``) are summed; the KV
-    usage is the maximum. ``vllm:cache_config_info{num_gpu_blocks="N"}`` gives the pool size if present.
+    usage is the maximum. ``vllm:cache_config_info{num_gpu_blocks="N",block_size="B"}`` gives the pool
+    size and the engine's block size if present.
     """
     running = waiting = 0.0
     usage = 0.0
     seen = False
-    blocks = 0
+    blocks = block_size = 0
     for match in _CANDIDATE.finditer(text):
         start = match.start()
         if start and text[start - 1] not in _EOL:
@@ -141,18 +144,24 @@ def parse_vllm_metrics(text: bytes, at: float) -> ScrapedMetrics | None:
             if v is not None:
                 usage = max(usage, v)
         elif line.startswith(_CACHE_CONFIG):
-            key = b'num_gpu_blocks="'
-            i = line.find(key)
-            if i >= 0:
-                j = line.find(b'"', i + len(key))
-                try:
-                    blocks = int(line[i + len(key) : j])
-                except ValueError:
-                    blocks = 0
+            blocks = _label_int(line, b'num_gpu_blocks="')
+            block_size = _label_int(line, b'block_size="')
     if not seen:
         return None
     usage = min(max(usage, 0.0), 1.0)
-    return ScrapedMetrics(max(int(running), 0), max(int(waiting), 0), usage, at, blocks)
+    return ScrapedMetrics(max(int(running), 0), max(int(waiting), 0), usage, at, blocks, block_size)
+
+
+def _label_int(line: bytes, key: bytes) -> int:
+    """The integer value of the label ``key`` (``name="``) in a sample line; 0 when absent or bad."""
+    i = line.find(key)
+    if i < 0 or (i and line[i - 1] not in b"{, "):  # block_size= inside e.g. cpu_block_size=
+        return 0
+    j = line.find(b'"', i + len(key))
+    try:
+        return max(int(line[i + len(key) : j]), 0)
+    except ValueError:
+        return 0
 
 
 class BackendState:
@@ -275,15 +284,25 @@ class Lease:
     gone at :meth:`release` (the blocks too). Each step is idempotent, so any exit path may call
     :meth:`release` (and ``finally`` always does)."""
 
-    __slots__ = ("_state", "backend", "blocks", "prefill")
+    __slots__ = ("_clock", "_state", "backend", "blocks", "hold", "prefill")
 
     def __init__(self, backend: BackendState, prefill_tokens: int, blocks: int = 0) -> None:
         self.backend = backend
         self.prefill = prefill_tokens
         self.blocks = blocks
         self._state = 0  # 0 waiting, 1 running, 2 released
+        # the policy's own bookkeeping of this attempt (RoutingCore.dispatched; None for most policies):
+        # told of the first byte and of the release, at the router's clock (see attach)
+        self.hold: Hold | None = None
+        self._clock: Callable[[], float] | None = None
         backend.table.add(backend.slot, waiting=1, prefill=prefill_tokens, blocks=blocks)
         backend.requests_total += 1
+
+    def attach(self, hold: Hold | None, clock: Callable[[], float]) -> None:
+        """Tell ``hold`` (the policy's bookkeeping of this attempt) of the first byte and the
+        release, at ``clock()`` (monotonic seconds)."""
+        self.hold = hold
+        self._clock = clock
 
     @property
     def started(self) -> bool:
@@ -304,6 +323,8 @@ class Lease:
             b = self.backend
             b.table.add(b.slot, waiting=-1, running=1, prefill=-self.prefill)
             self._state = 1
+            if self.hold is not None:
+                self.hold.first_token(self._clock())  # type: ignore[misc]
 
     def release(self) -> None:
         """The attempt ended (any way)."""
@@ -312,4 +333,6 @@ class Lease:
             b.table.add(b.slot, waiting=-1, prefill=-self.prefill, blocks=-self.blocks)
         elif self._state == 1:
             b.table.add(b.slot, running=-1, blocks=-self.blocks)
+        if self._state != 2 and self.hold is not None:
+            self.hold.finished(self._clock())  # type: ignore[misc]
         self._state = 2

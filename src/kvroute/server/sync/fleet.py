@@ -281,6 +281,20 @@ class Fleet:
         self.subscribers.append(sub)
         self._subs[index] = (sub, asyncio.create_task(sub.run()))
 
+    async def wait_synced(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s`` seconds) until every subscriber's replay on subscribe has
+        ended: a router started after its engines then routes its first request on their replayed
+        caches. True when all had ended in time."""
+        waits = [sub.synced.wait() for sub in self.subscribers if not sub.synced.is_set()]
+        if not waits:
+            return True
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.gather(*waits)
+        except TimeoutError:
+            return False
+        return True
+
     def _unsubscribe(self, index: int) -> None:
         """Stop backend ``index``'s subscriber: once cancelled, its task applies no more batches
         (it resumes only to close its socket)."""

@@ -100,6 +100,8 @@ class Monitor:
             parsed, seen = parse_metrics(text, core.clock(), engine, core.config.block_size)
             if parsed is not None:
                 backend.scraped = parsed
+                if parsed.block_size:
+                    core.kv.set_engine_block_size(backend.index, parsed.block_size)
                 if engine is None and seen is not None:
                     self.engines[backend.index] = seen
                     log.info("backend %s: %s metrics", backend.url, seen)

@@ -51,6 +51,8 @@ from kvroute.server.cluster import free_port
 from kvroute.server.state.loadtable import url_digest
 
 REQUESTS = int(os.environ.get("KVROUTE_SOAK_REQUESTS", "3000"))
+MAX_FACTOR = 4  # traffic goes on while the faults run, up to this many times REQUESTS
+GAP_S = 1.5  # seconds between two faults
 CONCURRENCY = 16
 RSS_BOUND_MIB = 400.0
 TOKEN = "soak-token"
@@ -209,6 +211,8 @@ class Soak:
     done: int = 0
     engine_kill: tuple[float, float] = (0.0, 0.0)  # when the engine was killed .. back
     replica_kill: float = 0.0
+    sent: int = 0
+    faults_done: bool = False
     killed_name: str = ""  # the replica SIGKILLed (its answers may be lost)
     swept: bool = False  # its restart removed the dead one's leftovers
     t0: float = field(default_factory=time.monotonic)
@@ -275,14 +279,14 @@ class Soak:
         live = [r for r in self.replicas if r.alive]
         return live[i % len(live)]
 
-    async def client(
-        self, session: aiohttp.ClientSession, traffic: Traffic, queue: asyncio.Queue[int]
-    ) -> None:
-        while True:
-            try:
-                i = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                return
+    async def client(self, session: aiohttp.ClientSession, traffic: Traffic, enough: asyncio.Event) -> None:
+        """Send requests until ``enough`` is set (the faults are done and ``REQUESTS`` were sent) or
+        ``MAX_FACTOR`` times ``REQUESTS`` were."""
+        while not enough.is_set() and self.sent < MAX_FACTOR * REQUESTS:
+            i = self.sent
+            self.sent += 1
+            if self.sent >= REQUESTS and self.faults_done:
+                enough.set()
             r = self.pick(i)
             path, body = traffic.next()
             leave = 48 if i % 25 == 3 else None
@@ -354,14 +358,16 @@ class Soak:
         self.engine_kill = (t_kill, time.monotonic() + 3.0)
         self.note("engine3 restarted")
         await self.at(0.25)
+        await asyncio.sleep(GAP_S)
         self.write_config(a, policy="lmetric")
         a.proc.signal(signal.SIGHUP)  # type: ignore[union-attr]
         self.note("SIGHUP replica A: a valid config (policy lmetric)")
         await self.at(0.30)
+        await asyncio.sleep(GAP_S)
         self.write_config(a, broken=True)
         a.proc.signal(signal.SIGHUP)  # type: ignore[union-attr]
         self.note("SIGHUP replica A: a broken config")
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(GAP_S)
         self.write_config(a)
         await self.at(0.35)
         extra = self.engines[4]
@@ -371,6 +377,7 @@ class Soak:
             async with session.post(r.url + "/admin/backends", json=spec, headers=AUTH) as resp:
                 self.note(f"admin add engine4 on {r.name}: {resp.status}")
         await self.at(0.42)
+        await asyncio.sleep(GAP_S)
         bid = url_digest(extra.url)
         async with session.post(f"{a.url}/admin/backends/{bid}/drain", headers=AUTH) as resp:
             self.note(f"admin drain engine4 on A: {resp.status}")
@@ -378,10 +385,12 @@ class Soak:
         async with session.post(f"{a.url}/admin/backends/{bid}/undrain", headers=AUTH) as resp:
             self.note(f"admin undrain engine4 on A: {resp.status}")
         await self.at(0.50)
+        await asyncio.sleep(GAP_S)
         for r in (a, b):
             async with session.delete(f"{r.url}/admin/backends/{bid}", headers=AUTH) as resp:
                 self.note(f"admin delete engine4 on {r.name}: {resp.status}")
         await self.at(0.55)
+        await asyncio.sleep(GAP_S)
         b.alive = False  # the load balancer stops sending to it first, as a health check would
         self.killed_name = "B"
         self.replica_kill = time.monotonic()
@@ -394,6 +403,8 @@ class Soak:
         swept = "removed the leftovers of a dead kvroute supervisor" in b.proc.text()
         self.note(f"replica B started again (swept the dead one's leftovers: {swept})")
         self.swept = swept
+        await asyncio.sleep(GAP_S)  # some traffic through the restarted replica
+        self.faults_done = True
 
 
 def _outcome(status: int, body: dict[str, Any], data: bytes, leave: int | None) -> str:
@@ -413,6 +424,10 @@ def _outcome(status: int, body: dict[str, Any], data: bytes, leave: int | None) 
         return "ok" if orjson.loads(data).get("choices") else "bad_answer"
     except orjson.JSONDecodeError:
         return "bad_answer"
+
+
+def _log(soak: Soak, name: str) -> str:
+    return "".join(p.text() for p in [*soak.fleet.procs, *soak.fleet.retired] if p.name == name)
 
 
 async def _gauges(url: str, names: tuple[str, ...], times: int = 6) -> float:
@@ -451,15 +466,13 @@ async def _run(soak: Soak) -> dict[str, Any]:
     stop = asyncio.Event()
     sampler = asyncio.create_task(soak.rss_sampler(stop))
     traffic = Traffic(seed=11, users=300, max_turns=6, words=150)
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(REQUESTS):
-        queue.put_nowait(i)
+    enough = asyncio.Event()
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         faults = asyncio.create_task(soak.faults(session))
         bad = asyncio.create_task(soak.bad_inputs(session, rounds=max(1, REQUESTS // 300)))
-        await asyncio.gather(*(soak.client(session, traffic, queue) for _ in range(CONCURRENCY)))
-        soak.note(f"{REQUESTS} requests done")
+        await asyncio.gather(*(soak.client(session, traffic, enough) for _ in range(CONCURRENCY)))
+        soak.note(f"{soak.sent} requests done")
         await faults
         await bad
         soak.note("bad inputs done")
@@ -492,7 +505,10 @@ async def _run(soak: Soak) -> dict[str, Any]:
         a.proc.signal(signal.SIGTERM)
         soak.note("SIGTERM replica A with 6 streams in flight")
         ends = await asyncio.gather(*streams)
-        drained = [(status, data.rstrip().endswith(b"data: [DONE]")) for status, data in ends]
+        # (status, ended with [DONE], ended by the drain's SSE error event rather than finishing)
+        drained = [
+            (status, data.rstrip().endswith(b"data: [DONE]"), b'"error"' in data) for status, data in ends
+        ]
         code_a = await asyncio.to_thread(a.proc.popen.wait, 60)
         soak.note(f"replica A exited {code_a}; streams: {drained}")
     stop.set()
@@ -537,6 +553,8 @@ def main() -> int:
     ]
     lost = [r for r in res if r.outcome in bad_outcomes and r not in lost_killed and r not in engine_broken]
     tracebacks = soak.fleet.tracebacks()
+    log_a = _log(soak, "replica-A")
+    reloads = (log_a.count("SIGHUP: reloaded"), log_a.count("rejected, keeping the old config"))
     rss_peak = max(soak.rss_peak.values(), default=0.0)
     checks = {
         "nothing lost outside the killed replica": not lost,
@@ -545,9 +563,11 @@ def main() -> int:
         "no traceback in any log": not tracebacks,
         "gauges back to zero": not any(end["gauges"].values()),
         f"router RSS under {RSS_BOUND_MIB:.0f} MiB": rss_peak < RSS_BOUND_MIB,
-        "SIGTERM: every stream ended with [DONE]": all(s == 200 and ok for s, ok in end["drained"]),
+        "SIGTERM: every stream ended with [DONE]": all(s == 200 and ok for s, ok, _ in end["drained"]),
         "replicas exited 0": end["exit_a"] == 0 and end["exit_b"] == 0,
         "a restarted replica swept the dead one's leftovers": soak.swept,
+        "SIGHUP: the valid config applied, the broken one refused": reloads == (2, 2),
+        f"at least {REQUESTS} requests": len(res) >= REQUESTS,
     }
     table([(k, "ok" if v else "FAILED", "") for k, v in checks.items()], ("check", "result", ""))
     figures = {
@@ -567,6 +587,7 @@ def main() -> int:
         "rss_bound_mib": RSS_BOUND_MIB,
         "rss_peak_by_process": {k: round(v, 1) for k, v in sorted(soak.rss_peak.items())},
         "sigterm_streams": end["drained"],
+        "sighup_reloaded_refused": reloads,
         "events": soak.events,
         "checks": checks,
         "ok": all(checks.values()),

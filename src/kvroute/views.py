@@ -9,6 +9,7 @@ tokens, ``kv_usage`` is a fraction in [0, 1].
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,8 @@ class RequestView:
     - ``prefix_key``: id of the request's leading prefix class (0 if none), for hot-spot detection.
     - ``now``: when it is routed, seconds on the router's clock (time-dependent features read it;
       plain policies ignore it).
+    - ``chain``: the prompt's block hashes (full blocks; the KV view's hashes), for policies that keep
+      a prefix table of their own (the peers' routing-history tables); ``()`` when not given.
     """
 
     prompt_tokens: int
@@ -70,6 +73,7 @@ class RequestView:
     req_class: str = "default"
     prefix_key: int = 0
     now: float = 0.0
+    chain: tuple[int, ...] = field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,3 +93,15 @@ class Choice:
     lower_is_better: bool = True
     detail: dict[str, tuple[float, ...]] = field(default_factory=dict, compare=False)
     reason: str = "policy"
+
+
+class Hold(Protocol):
+    """A policy's own bookkeeping for one dispatched request (see
+    :class:`~kvroute.policies.base.Tracking`): the driver calls :meth:`first_token` when the request's
+    first token (first response byte) comes back and :meth:`finished` when it ends, any way (done,
+    aborted, cancelled, a failed attempt). Both take the driver's time in seconds and are idempotent;
+    ``finished`` without ``first_token`` is allowed."""
+
+    def first_token(self, now: float) -> None: ...
+
+    def finished(self, now: float) -> None: ...

@@ -8,6 +8,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from orjson import dumps as orjson_dumps
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.emulator.server import EmulatorServer
@@ -221,3 +222,35 @@ async def test_metrics_name_filter_serves_only_the_named_samples(server: Emulato
     assert len(part) < len(whole) // 5
     assert parse_vllm_metrics(part, 1.0) == parse_vllm_metrics(whole, 1.0)
     assert parse_vllm_metrics(part, 1.0) is not None
+
+
+async def test_clients_that_leave_mid_stream_are_counted_without_a_traceback(start_server, caplog):
+    """Regression: each client disconnect used to log aiohttp's "Error handling request" traceback."""
+    import socket
+    import struct
+
+    server = await start_server(time_scale=50.0)
+    caplog.set_level("DEBUG")
+    body = orjson_dumps({"model": MODEL, "prompt": "hello there", "max_tokens": 400, "stream": True})
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    n = 12
+    for i in range(n):
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(head + body)
+        await reader.readuntil(b"data: ")  # the stream has started
+        await asyncio.sleep(0.002 * i)  # leave at different points
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset
+        writer.close()
+    await wait_idle(server)
+    for _ in range(300):
+        if server.disconnects >= n:
+            break
+        await asyncio.sleep(0.01)
+    assert server.disconnects == n
+    assert server.driver.active == 0
+    tracebacks = [r.getMessage() for r in caplog.records if r.exc_info]
+    assert not tracebacks

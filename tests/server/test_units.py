@@ -478,3 +478,19 @@ def test_lease_holds_the_request_blocks_until_release_and_the_view_reads_them() 
     assert b.blocks == 0
     b.scraped = None
     assert b.view(0.0, 1.0).decode_blocks == 0
+
+
+def test_token_cache_is_bounded_by_tokens_not_only_entries(tokenizer: object) -> None:
+    """Regression: the piece cache was bounded by entries only, so huge messages grew it without
+    bound; now it never holds more than ``cache_tokens`` token ids, and stays exact."""
+    from kvroute.prepare.tokenize import RequestTokenizer
+
+    rt = RequestTokenizer(tokenizer, cache_entries=10_000, cache_tokens=3000)  # type: ignore[arg-type]
+    for i in range(30):
+        chat = [{"role": "system", "content": "sys"}, {"role": "user", "content": f"question {i} " * 300}]
+        assert rt.chat(chat) == rt.tokenizer.encode_chat(chat)  # type: ignore[attr-defined]
+        assert rt.cached_tokens <= 3000
+        assert rt.cached_tokens == sum(len(v) for v in rt._cache.values())
+    huge = [{"role": "user", "content": "word " * 5000}]  # one piece over the bound: not cached
+    rt.chat(huge)
+    assert rt.cached_tokens <= 3000

@@ -249,3 +249,44 @@ async def test_router_started_after_the_engines(
         assert sub.partial == 1 and router.state.kv.mode(1, now) == "recovering"
         assert f"{partial_line} 1.0" in metrics
         assert predicted <= reported
+
+
+async def test_late_all_blocks_cleared_is_bounded_by_the_shortfall_evidence(
+    fleet: Fleet, tokenizer: Tokenizer
+) -> None:
+    """Fix 4: ``POST /reset_prefix_cache`` on the emulator drops its cache at once but publishes
+    ``AllBlocksCleared`` only with its next step, as vLLM. The first request after the reset is
+    predicted a hit and gets 0: that shortfall is evidence, counted on /metrics; with the engine's
+    next step the event arrives, and the request after is predicted exactly again."""
+    for _ in range(2):
+        await fleet.engine(tokenizer)
+    url = await fleet.start(tokenizer)
+    router = fleet.router
+    assert router is not None
+    msgs = [SYSTEM, {"role": "user", "content": "Describe the water cycle in detail. " * 5}]
+    async with aiohttp.ClientSession() as s:
+        await chat(s, url, msgs)
+        await settle(fleet)
+        predicted, reported, holder, _ = await chat(s, url, msgs)
+        assert predicted == reported > 0
+        index = [spec.url for spec in fleet.specs].index(holder)
+        eng = fleet.engines[index]
+        await settle(fleet)
+        pub = eng.publisher
+        assert pub is not None
+        seq = pub.seq
+        async with s.post(f"http://127.0.0.1:{eng.port}/reset_prefix_cache") as r:
+            assert r.status == 200
+        await asyncio.sleep(0.2)
+        assert pub.seq == seq  # no step yet: AllBlocksCleared not published
+        assert eng.model.stats().cached_blocks == 0
+        p1, r1, b1, _ = await chat(s, url, msgs)
+        assert b1 == holder and p1 == predicted and r1 == 0  # the late event's damage: one request
+        assert router.state.kv.shortfalls == {index: 1}
+        await settle(fleet)
+        assert pub.seq > seq
+        p2, r2, _, _ = await chat(s, url, msgs)
+        assert p2 == r2
+        async with s.get(url + "/metrics") as r:
+            metrics = await r.text()
+    assert f'kvroute_kv_cached_shortfalls_total{{backend="{holder}"}} 1.0' in metrics

@@ -335,7 +335,8 @@ def run(args: argparse.Namespace) -> int:
     from kvroute.commands.settings import backends_from_text, load_config_file
     from kvroute.server.run import Reloader, serve_forever
 
-    if wants_pd(args, load_config_file(args.config).backends if args.config else ()):
+    base = load_config_file(args.config) if args.config else None
+    if wants_pd(args, base.backends if base else (), base.discover if base else ()):
         return run_pd(args)
     for flag in ("profile", "kv_transfer_bandwidth", "no_conditional"):
         if getattr(args, flag, None):

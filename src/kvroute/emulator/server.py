@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -86,7 +87,11 @@ from kvroute.engine.types import (
 from kvroute.kvevents import EventFormat
 from kvroute.tokenizer import Tokenizer
 
+log = logging.getLogger("kvroute.emulator")
+
 __all__ = ["FILLER_WORDS", "EmulatorServer", "EmulatorSettings", "KVEventsSettings"]
+
+log = logging.getLogger("kvroute.emulator")
 
 FILLER_WORDS = (
     *("the", "of", "and", "to", "in", "is", "that", "it", "for", "on", "with", "as", "was", "by", "at"),
@@ -168,6 +173,7 @@ class EmulatorServer:
         self.served = (settings.model_name, *settings.lora_modules)  # base model first
         self._lora_ids = {name: i + 1 for i, name in enumerate(settings.lora_modules)}
         self._adapter_blocks: dict[int, str] = {}  # block hash -> adapter of the request that hashed it
+        self._claimed: set[str] = set()  # request ids handed out and not yet answered
         self._salted: dict[int, str] = {}  # first block hash of a salted prompt -> its cache_salt
         self.publisher: KVEventPublisher | None = None
         if settings.kv_events is not None:
@@ -217,6 +223,7 @@ class EmulatorServer:
         self.app = self._build_app()
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
+        self.disconnects = 0  # streams whose client went away before their end (one debug line each)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _build_app(self) -> web.Application:
@@ -231,6 +238,7 @@ class EmulatorServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         if self.settings.flavor == "sglang":
             app.router.add_get("/get_model_info", self.model_info)
         return app
@@ -283,6 +291,15 @@ class EmulatorServer:
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         names = request.query.getall("name[]", [])
         return web.Response(body=self.metrics.render(names), headers={"Content-Type": CONTENT_TYPE})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /reset_prefix_cache`` (there behind ``VLLM_SERVER_DEV_MODE=1``; always served
+        here): the prefix cache is dropped now (refused, and logged, while a running request holds
+        cached blocks, as vLLM), and ``AllBlocksCleared`` goes out with the engine's next step, as
+        vLLM publishes it: until a request makes the engine step, subscribers have not seen it."""
+        if not self.model.reset_prefix_cache():
+            log.warning("failed to reset the prefix cache: running requests still hold cached blocks")
+        return web.Response(status=200)
 
     async def models(self, request: web.Request) -> web.Response:
         name = self.settings.model_name
@@ -404,11 +421,13 @@ class EmulatorServer:
     def _request_id(self, request: web.Request, prefix: str) -> str:
         """``<prefix>-<X-Request-Id>`` when usable and not in use, else ``<prefix>-<random hex>``."""
         xrid = request.headers.get("X-Request-Id", "")
+        rid = f"{prefix}-{uuid.uuid4().hex}"
         if xrid and len(xrid) <= 256 and xrid.isprintable():
-            rid = f"{prefix}-{xrid}"
-            if not self.driver.known(rid):
-                return rid
-        return f"{prefix}-{uuid.uuid4().hex}"
+            mine = f"{prefix}-{xrid}"
+            if not self.driver.known(mine) and mine not in self._claimed:
+                rid = mine
+        self._claimed.add(rid)  # until its handler ends: a D leg submits only after P's blocks are read
+        return rid
 
     def _kv_params(self, body: Any) -> KVParams:
         """The request's P/D role; ApiError 400 when this engine's ``kv_role`` cannot play it."""
@@ -564,6 +583,14 @@ class EmulatorServer:
     async def _generate(
         self, request: web.Request, req: GenerateRequest, rid: str, kvp: KVParams
     ) -> web.StreamResponse:
+        try:
+            return await self._answer(request, req, rid, kvp)
+        finally:
+            self._claimed.discard(rid)
+
+    async def _answer(
+        self, request: web.Request, req: GenerateRequest, rid: str, kvp: KVParams
+    ) -> web.StreamResponse:
         if req.stream:
             return await self._stream(request, req, rid, kvp)
         created = int(time.time())
@@ -627,9 +654,13 @@ class EmulatorServer:
             with contextlib.suppress(ConnectionError):
                 await resp.write(_sse(exc.body()))
                 await resp.write(b"data: [DONE]\n\n")
-        except (ConnectionError, asyncio.CancelledError):
+        except (ConnectionError, asyncio.CancelledError) as exc:
             await gen.aclose()  # aborts the request and frees its blocks
-            raise
+            self.disconnects += 1  # an ordinary event: counted, one debug line, no traceback
+            log.debug("request %s: client went away after %d tokens (%s)", rid, sent, type(exc).__name__)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return resp
         finally:
             await gen.aclose()
         with contextlib.suppress(ConnectionError):

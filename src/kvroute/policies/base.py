@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from kvroute.views import Choice, InstanceView, RequestView
+from kvroute.views import Choice, Hold, InstanceView, RequestView
 
-__all__ = ["Policy", "argbest", "check_inputs", "minmax_normalise"]
+__all__ = ["Policy", "Tracking", "argbest", "check_inputs", "minmax_normalise"]
 
 
 @runtime_checkable
@@ -32,6 +32,22 @@ class Policy(Protocol):
     name: str
 
     def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice: ...
+
+
+@runtime_checkable
+class Tracking(Protocol):
+    """A policy that keeps its own per-instance bookkeeping of the requests it dispatched (the peers'
+    routers count pending tokens or prefill work themselves instead of reading the engine's queue).
+
+    Every driver calls :meth:`dispatched` through
+    :meth:`kvroute.routing.core.RoutingCore.dispatched` once a request is sent to ``instance`` (an
+    ``InstanceView.index``), and then the returned :class:`~kvroute.views.Hold`'s ``first_token`` and
+    ``finished``. ``request`` is the view the policy chose with (its ``cached_tokens`` in the order of
+    the candidates it was given; ``position`` is the chosen candidate's place in that order); ``now``
+    is the driver's time in seconds.
+    """
+
+    def dispatched(self, request: RequestView, position: int, instance: int, now: float) -> Hold: ...
 
 
 def check_inputs(request: RequestView, instances: Sequence[InstanceView]) -> int:

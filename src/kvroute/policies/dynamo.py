@@ -27,7 +27,21 @@ from collections.abc import Sequence
 from kvroute.policies.base import argbest, check_inputs
 from kvroute.views import Choice, InstanceView, RequestView
 
-__all__ = ["DynamoKv"]
+__all__ = ["DynamoKv", "dynamo_terms"]
+
+
+def dynamo_terms(
+    request: RequestView, instances: Sequence[InstanceView]
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per instance (adjusted prefill blocks, decode blocks) as the module docstring maps them."""
+    bsz = max(request.block_size, 1)
+    prompt = request.prompt_tokens
+    incoming = float(-(-prompt // bsz))
+    prefill = tuple(
+        max((i.queued_prefill_tokens + prompt - c) / bsz, 0.0)
+        for c, i in zip(request.cached_tokens, instances, strict=True)
+    )
+    return prefill, tuple(i.decode_blocks + incoming for i in instances)
 
 
 class DynamoKv:
@@ -41,14 +55,7 @@ class DynamoKv:
     def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
         """Choose the instance with the lowest projected prefill + decode block cost."""
         check_inputs(request, instances)
-        bsz = max(request.block_size, 1)
-        prompt = request.prompt_tokens
-        incoming = float(-(-prompt // bsz))
-        prefill = tuple(
-            max((i.queued_prefill_tokens + prompt - c) / bsz, 0.0)
-            for c, i in zip(request.cached_tokens, instances, strict=True)
-        )
-        decode = tuple(i.decode_blocks + incoming for i in instances)
+        prefill, decode = dynamo_terms(request, instances)
         scale = self.prefill_load_scale
         scores = tuple(scale * p + d for p, d in zip(prefill, decode, strict=True))
         return Choice(

@@ -14,18 +14,22 @@ from types import MappingProxyType
 
 from kvroute.errors import UserError
 from kvroute.policies.aibrix import AibrixPrefixCache
+from kvroute.policies.aibrix_lmetric import AibrixLMetric
 from kvroute.policies.bailian import BAILIAN_NORMALISATIONS, Bailian
 from kvroute.policies.base import Policy
 from kvroute.policies.dynamo import DynamoKv
+from kvroute.policies.dynamo_lmetric import DynamoLMetric
 from kvroute.policies.linear import DEFAULT_LAMBDA, LinearCombo
 from kvroute.policies.llm_d import LlmD
+from kvroute.policies.llm_d_lmetric import LlmDLMetric
 from kvroute.policies.lmetric import LMetric
 from kvroute.policies.lmetric_kv import LMetricKV
 from kvroute.policies.sglang import SglangCacheAware
 from kvroute.policies.simple import LeastRequests, PowerOfTwo, RandomChoice, RoundRobin
+from kvroute.policies.smetric import VllmRouterSMetric
 from kvroute.policies.vllm import VLLM_VARIANTS, VllmBalancer
 
-__all__ = ["DEFAULT_SEED", "POLICIES", "PolicyFactory", "make_policy", "policy_names"]
+__all__ = ["DEFAULT_SEED", "PEER_LMETRICS", "POLICIES", "PolicyFactory", "make_policy", "policy_names"]
 
 PolicyFactory = Callable[[str | None, random.Random], Policy]
 
@@ -102,6 +106,10 @@ POLICIES: Mapping[str, PolicyFactory] = MappingProxyType(
         "linear": _linear,
         "bailian": _bailian,
         "aibrix": _simple(AibrixPrefixCache, "aibrix"),
+        "aibrix-lmetric": _seeded(AibrixLMetric, "aibrix-lmetric"),
+        "llm-d-lmetric": _simple(LlmDLMetric, "llm-d-lmetric"),
+        "dynamo-lmetric": _simple(DynamoLMetric, "dynamo-lmetric"),
+        "vllm-router-smetric": _simple(VllmRouterSMetric, "vllm-router-smetric"),
         "round-robin": _simple(RoundRobin, "round-robin"),
         "random": _seeded(RandomChoice, "random"),
         "p2c": _seeded(PowerOfTwo, "p2c"),
@@ -113,7 +121,15 @@ POLICIES: Mapping[str, PolicyFactory] = MappingProxyType(
 Parameterised forms: ``lmetric:<w>`` (BS exponent w in [0, 16]), ``linear:<λ>`` (λ in [0, 1]; plain
 ``linear`` is λ = 0.7), ``vllm:new`` (recent vLLM's KV-pressure-aware score; ``vllm`` = ``vllm:v1``),
 ``bailian:minmax`` (blitz-router's min-max normalisation; ``bailian`` = ``bailian:max``).
+
+The peers' own LMetric variants, ported from their sources (each module's docstring cites them):
+``aibrix-lmetric`` (AIBrix ``l-metric-local``), ``llm-d-lmetric`` (llm-d's ``lmetric-scorer``, PR
+#2351), ``dynamo-lmetric`` (Dynamo's ``--router-selection-policy lmetric``, PR #11028) and
+``vllm-router-smetric`` (vllm-project/router's ``smetric``).
 """
+
+PEER_LMETRICS = ("aibrix-lmetric", "llm-d-lmetric", "dynamo-lmetric", "vllm-router-smetric")
+"""The peers' LMetric variants, in the order the comparisons list them."""
 
 
 def policy_names() -> list[str]:

@@ -26,15 +26,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvroute.features.settings import FeatureConfig
-from kvroute.policies.base import Policy
+from kvroute.policies.base import Policy, Tracking
 from kvroute.policies.registry import make_policy
 from kvroute.routing.guarded import Guarded
 from kvroute.routing.kvview import KVView
-from kvroute.views import Choice, InstanceView, RequestView
+from kvroute.views import Choice, Hold, InstanceView, RequestView
 
 __all__ = ["REASONS", "Candidate", "Decision", "RouteRequest", "RoutingCore", "build_policy", "with_features"]
 
@@ -92,6 +92,8 @@ class Decision:
     - ``choice``: the policy's raw :class:`~kvroute.views.Choice` (its ``detail`` names its own terms).
     - ``queued_s``: seconds the request waited in the router-side queue before this decision went
       out (0: it never waited); with ``reason == "queue_ttl"`` the wait that expired.
+    - ``view``: the request view the policy chose with (``None`` when refused); the driver gives it
+      back through :meth:`RoutingCore.dispatched`.
     """
 
     instance: int | None
@@ -107,6 +109,7 @@ class Decision:
     retry_after_s: float = 0.0
     choice: Choice | None = None
     queued_s: float = 0.0
+    view: RequestView | None = field(default=None, compare=False, repr=False)
 
     @property
     def order(self) -> tuple[int, ...]:
@@ -185,6 +188,8 @@ class RoutingCore:
     def __init__(self, policy: Policy, kv: KVView) -> None:
         self.policy = policy
         self.guard = policy if isinstance(policy, Guarded) else None
+        inner = self.guard.inner if self.guard is not None else policy
+        self._tracking: Tracking | None = inner if isinstance(inner, Tracking) else None
         self.kv = kv
         self.block_size = kv.block_size
 
@@ -226,6 +231,7 @@ class RoutingCore:
             req_class=req.req_class,
             prefix_key=key,
             now=now,
+            chain=req.chain,
         )
         choice = self.policy.choose(rv, views)
         indices = tuple([v.index for v in views])
@@ -241,7 +247,20 @@ class RoutingCore:
             prompt_tokens=prompt,
             lower_is_better=choice.lower_is_better,
             choice=choice,
+            view=rv,
         )
+
+    def dispatched(self, decision: Decision, instance: int, now: float) -> Hold | None:
+        """The request of ``decision`` was sent to ``instance`` (an ``InstanceView.index``; a retry
+        may send it elsewhere than ``decision.instance``) at ``now`` (seconds): a policy that keeps its
+        own bookkeeping (:class:`~kvroute.policies.base.Tracking`, the peers' LMetric variants) books
+        it and returns the :class:`~kvroute.views.Hold` the driver ends; ``None`` for every other
+        policy (nothing to call). Every driver calls it when it sends a request."""
+        target = self._tracking
+        view = decision.view
+        if target is None or view is None or instance not in decision.instances:
+            return None
+        return target.dispatched(view, decision.instances.index(instance), instance, now)
 
     def expired(
         self, req: RouteRequest, views: Sequence[InstanceView], waited_s: float, retry_s: float

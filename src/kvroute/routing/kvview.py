@@ -30,6 +30,14 @@ the same methods, so the simulator simulates what the router sees.
   cleared and, for ``recovery_s`` seconds, its match is ``max(exact, approximate)`` (new events are
   exact; the history covers what was cached before the gap); then it is exact again.
 
+Shortfall evidence (backends with KV events, :meth:`KVView.on_usage`): a response whose real
+``cached_tokens`` is below half the prediction and short by at least one engine block drops that
+backend's history and,
+unless an ``AllBlocksCleared`` reached the view after the request was routed, its exact entries,
+keeping the request's own prompt (see ``_shortfall``). vLLM publishes ``AllBlocksCleared`` only with
+its next step, so the requests routed between a reset and that step are mispredicted; the ones after
+are not.
+
 Correction in approximate mode (:meth:`KVView.on_usage`): when a response reports
 ``usage.prompt_tokens_details.cached_tokens``, the router compares it with its prediction for that
 backend: fewer cached blocks than predicted means the backend evicts sooner than believed, so its LRU
@@ -39,6 +47,7 @@ missed blocks (up to the configured capacity). Additive increase, multiplicative
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from itertools import groupby
 
@@ -49,6 +58,7 @@ from kvroute.index import ApproxPrefixIndex, PrefixIndex
 __all__ = ["KVView"]
 
 _SHRINK = 0.9
+_EPOCHS = 65536  # routed requests remembered for the shortfall evidence (oldest forgotten first)
 
 
 _Page = tuple[int | None, tuple[int, ...], tuple[int, ...]]
@@ -106,6 +116,10 @@ class KVView:
         self.history = history
         self.skipped_blocks = 0  # BlockStored blocks dropped (unknown parent, no tokens, block size)
         self.corrections = 0
+        self.shortfalls: dict[int, int] = {}  # per backend: responses far below the prediction
+        self._clears: dict[int, int] = {}  # per backend: AllBlocksCleared events and resets applied
+        # (backend, a routed chain's last block) -> the backend's clears when it was routed
+        self._routed_epoch: OrderedDict[tuple[int, int], int] = OrderedDict()
         # Called with the backend index on AllBlocksCleared (cold start: the backend warms up again).
         self.on_cleared: Callable[[int], None] | None = None
         # Per backend: the engine's own block size, tokens, as learned (BlockStored.block_size, the
@@ -211,6 +225,11 @@ class KVView:
 
     def on_routed(self, backend: int, chain: Sequence[int], now: float) -> None:
         """A request with block ``chain`` was sent to ``backend`` (records the routing history)."""
+        if chain and backend in self._exact_set:  # which clears had reached the view (see _shortfall)
+            epochs = self._routed_epoch
+            epochs[(backend, chain[-1])] = self._clears.get(backend, 0)
+            if len(epochs) > _EPOCHS:
+                epochs.popitem(last=False)
         if chain and (self.history or backend not in self._exact_set):
             self.approx.assign(backend, chain, self._now(now))
 
@@ -218,7 +237,10 @@ class KVView:
         self, backend: int, chain: Sequence[int], cached_tokens: int, predicted_blocks: int, now: float
     ) -> None:
         """The engine reported ``cached_tokens`` for a request predicted to hit ``predicted_blocks``
-        on ``backend``: adjust that backend's approximate capacity (approximate mode only)."""
+        on ``backend``: adjust that backend's approximate capacity (approximate mode only); on any
+        backend, a shortfall is evidence (:meth:`_shortfall`)."""
+        if self._shortfall(backend, chain, cached_tokens, predicted_blocks, now):
+            return
         if backend in self._exact_set and self.mode(backend, now) == "exact":
             return
         reported = min(cached_tokens // self.block_size, len(chain))
@@ -233,6 +255,36 @@ class KVView:
         if new != cap:
             self.corrections += 1
             self.approx.set_capacity(backend, new)
+
+    def _shortfall(
+        self, backend: int, chain: Sequence[int], cached_tokens: int, predicted_blocks: int, now: float
+    ) -> bool:
+        """A real ``cached_tokens`` far below the prediction (below half of it, and short by at least
+        one engine block) is evidence that ``backend`` lost what the view says it holds: a
+        prefix-cache reset (vLLM publishes its ``AllBlocksCleared`` only with its next step), or
+        evictions whose events were lost. Counted per backend in ``shortfalls``. On a backend with
+        KV events (True is returned): its routing history is dropped (it believed the lost blocks
+        too), and so is its exact view, unless a clear reached the view after the request was routed
+        (the event explained the shortfall, and what was stored since is real); either way the
+        engine now holds this request's prompt (it just computed it), in whole engine blocks: that is
+        kept. An approximate backend's capacity correction handles it (False)."""
+        predicted = predicted_blocks * self.block_size
+        ebs = self.engine_block_size(backend)
+        if not (cached_tokens * 2 < predicted and predicted - cached_tokens >= ebs):
+            return False
+        self.shortfalls[backend] = self.shortfalls.get(backend, 0) + 1
+        if backend not in self._exact_set:
+            return False
+        held = chain[: len(chain) * self.block_size // ebs * ebs // self.block_size]
+        self.approx.clear(backend)
+        if held:
+            self.approx.assign(backend, held, self._now(now))
+        epoch = self._routed_epoch.pop((backend, chain[-1]), None) if chain else None
+        if epoch is not None and epoch != self._clears.get(backend, 0):
+            return True
+        self.exact.clear(backend)  # the engine-hash maps stay: later BlockRemoved events still resolve
+        self.exact.store(backend, held)
+        return True
 
     def expire(self, now: float) -> int:
         """Drop approximate entries past their TTL; returns how many."""
@@ -253,6 +305,7 @@ class KVView:
     def reset(self, backend: int, now: float) -> None:
         """The event stream of ``backend`` has an unrecoverable gap: clear its exact entries and use
         ``max(exact, approximate)`` for ``recovery_s`` seconds."""
+        self._clears[backend] = self._clears.get(backend, 0) + 1
         self.exact.clear(backend)
         self._hash_maps.setdefault(backend, {}).clear()
         self._pages.pop(backend, None)
@@ -280,6 +333,7 @@ class KVView:
                 if ours:
                     self.exact.remove(backend, ours)
             elif isinstance(ev, AllBlocksCleared):
+                self._clears[backend] = self._clears.get(backend, 0) + 1
                 self.exact.clear(backend)
                 hmap.clear()
                 self._pages.pop(backend, None)

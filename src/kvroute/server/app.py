@@ -46,6 +46,7 @@ from kvroute.server.sync.monitor import Monitor
 from kvroute.server.sync.peers import PeerCollector, PeerLink, PeerSettings
 from kvroute.server.wire.h1 import H1Transport
 from kvroute.server.wire.http import error_response
+from kvroute.server.wire.httperrors import JsonErrorRunner, RateLimitedLog, json_errors
 from kvroute.server.wire.transport import Transport, UpstreamError
 from kvroute.server.wire.validate import ApiError
 from kvroute.tokenizer import Tokenizer, load_tokenizer
@@ -99,7 +100,7 @@ class RouterServer:
         tok = tokenizer or load_tokenizer(config.tokenizer, chat_template=config.chat_template)
         self.state = RouterState(
             config,
-            RequestTokenizer(tok, config.tokenizer_cache_entries),
+            RequestTokenizer(tok, config.tokenizer_cache_entries, config.tokenizer_cache_tokens),
             make_policy(config.policy),
             clock,
             table,
@@ -129,6 +130,7 @@ class RouterServer:
         # --workers: admin changes made on a sibling worker (kvroute.server.sync.journal), replayed here
         self.journal = AdminJournal(admin_journal) if admin_journal is not None else None
         self.url = ""
+        self.bad_requests = RateLimitedLog()  # one line a second per kind of bad request (wire.httperrors)
 
     def _register_features(self) -> None:
         """(Re-)register the production features' collector for the current guard, if any."""
@@ -158,7 +160,9 @@ class RouterServer:
 
     def make_app(self) -> web.Application:
         # The body limit is enforced by the proxy (OpenAI-style 413), so aiohttp's own is lifted.
-        app = web.Application(client_max_size=self.config.max_body_bytes + 1)
+        app = web.Application(
+            client_max_size=self.config.max_body_bytes + 1, middlewares=[json_errors(self.bad_requests)]
+        )
         app.router.add_post("/v1/completions", self.proxy.completions)
         app.router.add_post("/v1/chat/completions", self.proxy.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -173,7 +177,9 @@ class RouterServer:
 
     async def start(self) -> str:
         """Bind and start; returns the base URL (``http://host:port``)."""
-        runner = web.AppRunner(self.make_app(), access_log=None, handler_cancellation=True)
+        runner = JsonErrorRunner(
+            self.make_app(), self.bad_requests, access_log=None, handler_cancellation=True
+        )
         await runner.setup()
         site = web.TCPSite(
             runner, self.config.host, self.config.port, backlog=1024, reuse_port=self.reuse_port or None

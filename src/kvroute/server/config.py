@@ -100,7 +100,8 @@ class RouterConfig:
       are dropped.
     - ``kv_recovery_s``: after an unrecovered event gap the backend's exact view is cleared and the
       approximate view is used (merged with new events) for this long.
-    - ``tokenizer_cache_entries``: per-message token cache size (messages).
+    - ``tokenizer_cache_entries``: per-message token cache size (messages); ``tokenizer_cache_tokens``:
+      the most token ids it holds in all (about 40 bytes each; the block-hash memo has the same bound).
     - ``chat_template``: a Jinja chat template file (see :mod:`kvroute.chat_template`); by default
       the tokenizer folder's own template, else ChatML.
     - ``tokenize``: ``"exact"`` (default) tokenizes the whole prompt before routing. ``"defer"``
@@ -127,7 +128,8 @@ class RouterConfig:
     - ``discover``: discovery sources, ``dns://NAME:PORT`` or ``file://PATH`` (see
       :mod:`kvroute.server.sync.discovery`), checked every ``discover_interval_s`` seconds; the backends
       they list join ``backends`` (which discovery never removes). ``discover_kv_events``: the KV event
-      endpoint of a DNS-discovered backend, a template with ``{host}`` (None: approximate view).
+      endpoint of a DNS-discovered backend, a template with ``{host}`` (None: approximate view). In a
+      P/D fleet a source takes a role, ``prefill=dns://...`` or ``decode=...`` (``kvroute.server.pd``).
     - ``models_interval_s``: how often each backend's ``/v1/models`` is read again (model pools).
     - ``peer_bind``, ``peers``, ``peer_expiry_s``, ``peer_refresh_s``: router replicas that share their
       reservations (:mod:`kvroute.server.sync.peers`): receive the other replicas' at ``peer_bind``
@@ -162,6 +164,7 @@ class RouterConfig:
     approx_ttl_s: float = 600.0
     kv_recovery_s: float = 30.0
     tokenizer_cache_entries: int = 65536
+    tokenizer_cache_tokens: int = 2_000_000
     tokenize: str = "exact"
     retry_after_s: int = 1
     drain_grace_s: float = 2.0
@@ -197,6 +200,7 @@ class RouterConfig:
                 "at least one backend is needed (--backend URL, 'backends' in the config, or --discover)"
             )
         for src in self.discover:
+            src = src.removeprefix("prefill=").removeprefix("decode=")  # a role: P/D mode
             if not src.startswith(("dns://", "file://")):
                 raise UserError(f"config: discover {src!r} must be dns://NAME:PORT or file://PATH")
         if self.discover_kv_events is not None and not self.discover_kv_events.startswith(
@@ -232,6 +236,7 @@ class RouterConfig:
             ("approx_ttl_s", self.approx_ttl_s > 0),
             ("kv_recovery_s", self.kv_recovery_s >= 0),
             ("tokenizer_cache_entries", self.tokenizer_cache_entries >= 0),
+            ("tokenizer_cache_tokens", self.tokenizer_cache_tokens >= 0),
             ("port", 0 <= self.port <= 65535),
             ("retry_after_s", self.retry_after_s >= 0),
             ("drain_grace_s", 0 <= self.drain_grace_s < float("inf")),

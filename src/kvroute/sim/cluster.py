@@ -57,7 +57,7 @@ from kvroute.routing.kvview import KVView
 from kvroute.routing.queue import QueueConfig, Released, RouterQueue, Ticket, band_of
 from kvroute.routing.shadow import Shadows
 from kvroute.sim.loop import PRIO_ARRIVAL, PRIO_DELIVERY, PRIO_ENGINE, EventLoop, SimClock
-from kvroute.views import InstanceView
+from kvroute.views import Hold, InstanceView
 from kvroute.workloads.request import Request
 
 KV_VIEWS = ("exact", "approx")
@@ -154,6 +154,7 @@ class _Live:
     req_class: str = "default"
     chain: tuple[int, ...] = ()  # block ids (kept for the approximate view's correction)
     predicted_blocks: int = 0  # cached blocks the router predicted on ``instance``
+    hold: Hold | None = None  # the policy's own bookkeeping of the request (RoutingCore.dispatched)
 
 
 class ClusterSim:
@@ -514,6 +515,7 @@ class ClusterSim:
         self._dirty.add(choice)
         core.kv.on_routed(choice, chain, now)
         live = _Live(arrived, prompt, req.output_len, choice, req_class=req.req_class)
+        live.hold = core.dispatched(decision, choice, now)
         if self._approx:
             live.chain = chain
             live.predicted_blocks = cached // self._block_size
@@ -545,8 +547,12 @@ class ClusterSim:
                 rec.first = o.time
                 rec.cached = o.num_cached_tokens
                 self._unreserve(i, inst, o.req_id)
+                if rec.hold is not None:
+                    rec.hold.first_token(o.time)
             if kind is OutputKind.FINISHED:
                 rec = live.pop(o.req_id)
+                if rec.hold is not None:
+                    rec.hold.finished(o.time)
                 if rec.chain and self.core is not None:  # approximate view: corrected from the real hit
                     self.core.kv.on_usage(i, rec.chain, rec.cached, rec.predicted_blocks, o.time)
                 self.recorder.add(rec.arrival, rec.first, o.time, rec.prompt_len, rec.cached, rec.output_len)
@@ -558,7 +564,9 @@ class ClusterSim:
                 if self.timeline is not None:
                     self.timeline.add(rec.arrival, rec.first - rec.arrival)
             elif kind is OutputKind.ABORTED:
-                live.pop(o.req_id, None)
+                gone = live.pop(o.req_id, None)
+                if gone is not None and gone.hold is not None:
+                    gone.hold.finished(o.time)
                 self._unreserve(i, inst, o.req_id)
                 self.rejected += 1
 

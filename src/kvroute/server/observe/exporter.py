@@ -107,9 +107,18 @@ class RouterCollector(Collector):
             batches.add_metric([url], s.batches)
             gaps.add_metric([url], s.gaps)
             partial.add_metric([url], s.partial)
+        shortfalls = CounterMetricFamily(
+            "kvroute_kv_cached_shortfalls",
+            "Responses whose real cached_tokens fell far below the prediction (the backend's view beyond "
+            "it was dropped)",
+            labels=["backend"],
+        )
+        for b in core.backends:
+            shortfalls.add_metric([b.url], core.kv.shortfalls.get(b.index, 0))
         yield batches
         yield gaps
         yield partial
+        yield shortfalls
         tok = core.tokenizer
         yield CounterMetricFamily(
             "kvroute_tokenizer_cache_hits", "Per-message token cache hits", value=tok.hits

@@ -61,6 +61,9 @@ def reserve(state: RouterState, plan: Plan, index: int, tail: Tail | None) -> Re
             state.kv.on_routed(index, tail.chain or plan.chain, now)
         tail.routed.append(index)
         tail.lease = lease
+    hold = state.routing.dispatched(plan.decision, index, now)  # the policy's own bookkeeping
+    if hold is not None:
+        lease.attach(hold, state.clock)
     return Reservation(index, backend.url, lease, late, now)
 
 

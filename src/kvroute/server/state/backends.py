@@ -31,10 +31,11 @@ export it); ``kv_usage`` is the engine's; ``decode_blocks`` is the larger of the
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvroute.server.state.loadtable import LoadTable
-from kvroute.views import InstanceView
+from kvroute.views import Hold, InstanceView
 
 __all__ = [
     "ACTIVE",
@@ -283,15 +284,25 @@ class Lease:
     gone at :meth:`release` (the blocks too). Each step is idempotent, so any exit path may call
     :meth:`release` (and ``finally`` always does)."""
 
-    __slots__ = ("_state", "backend", "blocks", "prefill")
+    __slots__ = ("_clock", "_state", "backend", "blocks", "hold", "prefill")
 
     def __init__(self, backend: BackendState, prefill_tokens: int, blocks: int = 0) -> None:
         self.backend = backend
         self.prefill = prefill_tokens
         self.blocks = blocks
         self._state = 0  # 0 waiting, 1 running, 2 released
+        # the policy's own bookkeeping of this attempt (RoutingCore.dispatched; None for most policies):
+        # told of the first byte and of the release, at the router's clock (see attach)
+        self.hold: Hold | None = None
+        self._clock: Callable[[], float] | None = None
         backend.table.add(backend.slot, waiting=1, prefill=prefill_tokens, blocks=blocks)
         backend.requests_total += 1
+
+    def attach(self, hold: Hold | None, clock: Callable[[], float]) -> None:
+        """Tell ``hold`` (the policy's bookkeeping of this attempt) of the first byte and the
+        release, at ``clock()`` (monotonic seconds)."""
+        self.hold = hold
+        self._clock = clock
 
     @property
     def started(self) -> bool:
@@ -312,6 +323,8 @@ class Lease:
             b = self.backend
             b.table.add(b.slot, waiting=-1, running=1, prefill=-self.prefill)
             self._state = 1
+            if self.hold is not None:
+                self.hold.first_token(self._clock())  # type: ignore[misc]
 
     def release(self) -> None:
         """The attempt ended (any way)."""
@@ -320,4 +333,6 @@ class Lease:
             b.table.add(b.slot, waiting=-1, prefill=-self.prefill, blocks=-self.blocks)
         elif self._state == 1:
             b.table.add(b.slot, running=-1, blocks=-self.blocks)
+        if self._state != 2 and self.hold is not None:
+            self.hold.finished(self._clock())  # type: ignore[misc]
         self._state = 2

@@ -237,6 +237,8 @@ def families(text: str) -> dict[str, tuple[str, frozenset[str]]]:
     """Metric family → (type, label names) of a /metrics page."""
     out = {}
     for fam in text_string_to_metric_families(text):
+        if fam.name.endswith("_created"):  # prometheus_client's creation-time gauges, not read
+            continue
         labels = frozenset(k for s in fam.samples for k in s.labels if k not in ("le", "quantile"))
         out[fam.name] = (fam.type, labels)
     return out

@@ -318,7 +318,11 @@ def chunk(
 
 
 def usage_chunk(req: GenerateRequest, rid: str, created: int, use: dict[str, Any]) -> dict[str, Any]:
+    """The stream's last chunk; vLLM leaves the unset ``multimodal_tokens`` out of it (its chunks
+    are serialised without None fields), unlike the whole response's usage."""
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+    details = {k: v for k, v in use["prompt_tokens_details"].items() if v is not None}
+    use = {**use, "prompt_tokens_details": details}
     return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [], "usage": use}
 
 

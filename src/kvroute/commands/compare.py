@@ -580,7 +580,9 @@ def run_paper_preset(args: argparse.Namespace) -> int:
     make_dir(out_dir)
     t0 = time.perf_counter()
     with _runner(args, _on_done(not args.no_progress)) as runner:
-        result = run_paper(plan, runner.run, note=lambda s: print(s, flush=True))
+        result = run_paper(
+            plan, runner.run, note=lambda s: print(s, flush=True), mapper=getattr(runner, "map", None)
+        )
     wall = time.perf_counter() - t0
     flags = [f"--jobs {args.jobs}"]
     if args.duration:
@@ -785,6 +787,7 @@ def paper_markdown(result: dict[str, Any], out_dir: Path, doc: Path) -> str:
     the staleness tables."""
     from kvroute.commands.preset_report import (
         BEST_LINEAR,
+        bound_summary_table,
         capacity_summary,
         capacity_table,
         difference_table,
@@ -894,6 +897,21 @@ def paper_markdown(result: dict[str, Any], out_dir: Path, doc: Path) -> str:
             "",
             capacity_summary(result["workloads"], cols, ref),
         ]
+    bound_md = bound_summary_table(result["workloads"], cols if plan["capacity"] else [])
+    if bound_md:
+        lines += [
+            "",
+            "## The bound: capacity as a fraction of what no router can beat",
+            "",
+            "Capacity bound: the lowest rate scale at which the SLO is out of reach for any router on "
+            "this engine model; mean TTFT bound at the default load; the oracle's KV hit rate (every "
+            "prefix another request reuses held on every instance). Derivation and assumptions: "
+            f"[bound.md]({_rel(out_dir.parent / 'bound.md', doc)}). Policy columns: capacity / the "
+            "capacity bound (seed 0; 1.00 would be the limit). The bound column above is the bound "
+            f"relative to `{ref}`.",
+            "",
+            bound_md,
+        ]
     for w in result["workloads"]:
         names = _names_for(w["best_lambda"])
         shown = _shown(plan, w)
@@ -940,6 +958,18 @@ def paper_markdown(result: dict[str, Any], out_dir: Path, doc: Path) -> str:
                 + "."
             )
             lines.append("")
+        b = w.get("bound")
+        if b:
+            at_b = b["rates"][0]
+            means = [r["ttft_ms"]["mean"] for r in rows]
+            lines += [
+                f"Bound at this load: mean TTFT ≥ {at_b['ttft_mean_ms']:.1f} ms (best policy here: "
+                f"{min(means):.1f} ms), TTFT p99 ≥ {at_b['ttft_floor_p99_ms']:.1f} ms, oracle KV hit rate "
+                f"{at_b['oracle_kv_hit_rate']:.3f}"
+                + (f"; capacity ≤ ×{b['capacity']:.3g}" if b.get("capacity") is not None else "")
+                + ".",
+                "",
+            ]
         if w.get("capacity"):
             slo = w["slo"]
             lines += [

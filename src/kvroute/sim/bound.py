@@ -261,7 +261,8 @@ def capacity_bound(
     doubling (or halving) from ``start`` until it flips, then ``refine`` log-space bisections; the
     highest passing probe (an upper bound up to the last bisection's resolution, which is reported
     as the bracket's upper end so the bound stays an upper bound). ``None``: nothing passes down to
-    ``start`` / 2^max_doublings."""
+    ``start`` / 2^max_doublings; ``math.inf``: everything passes up to ``start`` · 2^max_doublings
+    (the search stops there: the workloads grow with the rate)."""
 
     def ok(r: float) -> bool:
         return at_rate(r).meets(engine, instances, ttft_p99_ms, tpot_p99_ms)
@@ -349,8 +350,9 @@ def bound_summary(
         ],
     }
     if slo is not None:
-        cap = capacity_bound(at, engine, instances, slo[0], slo[1], start, refine=5)
-        out["capacity"] = None if cap is None else (cap if math.isfinite(cap) else None)
-        out["capacity_unbounded"] = cap is not None and not math.isfinite(cap)
+        cap = capacity_bound(at, engine, instances, slo[0], slo[1], start, refine=5, max_doublings=6)
+        out["capacity"] = None if cap is None or not math.isfinite(cap) else cap
+        # nothing failed up to start · 2^6: the bound is above that (reported as None, with the rate)
+        out["capacity_above"] = start * 2.0**6 if cap is not None and not math.isfinite(cap) else None
     memo.clear()
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from kvroute.engine.cost import get_profile
@@ -67,31 +68,58 @@ def test_no_step_beats_the_peak_rate_or_the_shortest_step() -> None:
         assert t >= eng.min_step_s * (1 - 1e-9)
 
 
+def _all_at(t: float, n: int, miss: int, out: int) -> WorkloadBound:
+    """n requests arriving together at ``t`` with ``miss`` uncached tokens and ``out`` output tokens."""
+    return WorkloadBound(
+        n,
+        t,
+        0.0,
+        10.0,
+        10.0,
+        0.0,
+        np.full(n, t),
+        np.full(n, miss, dtype=np.int64),
+        np.full(n, out, dtype=np.int64),
+    )
+
+
 def test_meets_by_hand() -> None:
     eng = Engine(
         peak_tokens_s=1000.0, min_step_s=0.001, max_batched_tokens=4096, max_num_seqs=8, peak_decode_s=100.0
     )
-    # 100 requests of 10 uncached tokens, 1 output token, arriving over 1 s: 990 tokens (99 requests)
-    # must be done by 1 s + the objective
-    b = WorkloadBound(100, 1.0, 0.0, 10.0, 10.0, 0.0, misses=(10,) * 100, outputs=(1,) * 100)
-    assert b.meets(eng, 1, 100.0, 10.0)  # 990 ≤ 1000 · 1.1
-    assert not b.meets(eng, 1, 5.0, 10.0)  # the p99 floor (10 ms) is above 5 ms
-    b = WorkloadBound(100, 0.5, 0.0, 10.0, 10.0, 0.0, misses=(10,) * 100, outputs=(1,) * 100)
-    assert not b.meets(eng, 1, 100.0, 10.0)  # 990 > 1000 · 0.6
-    assert b.meets(eng, 2, 100.0, 10.0)  # 990 ≤ 2000 · 0.6
-    # decode: 100 requests with 51 output tokens (50 decoded each), 98 of them must finish by
-    # 1 s + 0.1 s + 50 · 0.01 s = 1.6 s: 4900 decoded tokens > 100/s · 1.6 s · 2 instances
-    b = WorkloadBound(100, 1.0, 0.0, 10.0, 10.0, 0.0, misses=(1,) * 100, outputs=(51,) * 100)
-    assert not b.meets(eng, 2, 100.0, 10.0)
-    assert b.meets(eng, 31, 100.0, 10.0)  # 4900 ≤ 100 · 1.6 · 31 = 4960
+    # 100 requests of 10 uncached tokens and 1 output token at t = 1 s: 99 of them (990 tokens) must be
+    # prefilled by 1 s + the objective
+    assert _all_at(1.0, 100, 10, 1).meets(eng, 1, 100.0, 10.0)  # 990 ≤ 1000 · 1.1
+    assert not _all_at(1.0, 100, 10, 1).meets(eng, 1, 5.0, 10.0)  # the p99 floor (10 ms) is above 5 ms
+    assert not _all_at(0.5, 100, 10, 1).meets(eng, 1, 100.0, 10.0)  # 990 > 1000 · 0.6
+    assert _all_at(0.5, 100, 10, 1).meets(eng, 2, 100.0, 10.0)  # 990 ≤ 2000 · 0.6
+    # decode: 51 output tokens (50 decoded); 98 requests meet both and finish by 1 + 0.1 + 50 · 0.01 =
+    # 1.6 s: 4,900 decoded tokens > 100/s · 1.6 s · 2 instances, ≤ 100 · 1.6 · 31 = 4,960
+    assert not _all_at(1.0, 100, 1, 51).meets(eng, 2, 100.0, 10.0)
+    assert _all_at(1.0, 100, 1, 51).meets(eng, 31, 100.0, 10.0)
+    # spread arrivals: 50 requests at 0 s and 50 at 10 s; those at 0 s are due at 0.1 s, and 50 · 10
+    # tokens less the one excused (10) is 490 > 1000 · 0.1 on one instance: fails, though the whole
+    # workload (990 tokens by 10.1 s) would fit
+    spread = WorkloadBound(
+        100,
+        10.0,
+        0.0,
+        10.0,
+        10.0,
+        0.0,
+        np.array([0.0] * 50 + [10.0] * 50),
+        np.full(100, 10, dtype=np.int64),
+        np.ones(100, dtype=np.int64),
+    )
+    assert not spread.meets(eng, 1, 100.0, 10.0)
+    assert spread.meets(eng, 5, 100.0, 10.0)  # 490 ≤ 5000 · 0.1
 
 
 def test_capacity_bound_search_brackets_the_flip() -> None:
     eng = Engine(1000.0, 0.001, 4096, 8, 100.0)
 
-    def at(rate: float) -> WorkloadBound:  # 100·rate requests of 10 tokens over 1 s
-        n = int(100 * rate)
-        return WorkloadBound(n, 1.0, 0.0, 10.0, 10.0, 0.0, misses=(10,) * n, outputs=(1,) * n)
+    def at(rate: float) -> WorkloadBound:  # 100·rate requests of 10 tokens at 1 s
+        return _all_at(1.0, int(100 * rate), 10, 1)
 
     cap = capacity_bound(at, eng, 1, 100.0, 10.0, start=0.25, refine=6)
     # 10 · floor(0.99 · n) ≤ 1000 · 1.1 holds up to n = 112 and fails from n = 113 (rate 1.13): the

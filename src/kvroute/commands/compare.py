@@ -109,6 +109,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --preset: seeds at the default load, comma-separated (default 0,1,2)",
     )
     p.add_argument("--no-progress", action="store_true", help="no per-run progress lines on stderr")
+    p.add_argument(
+        "--no-bound",
+        action="store_true",
+        help="skip the bound (docs/results/bound.md): mean TTFT no router beats at each rate, and "
+        "with --slo-* the capacity no router beats",
+    )
     pd = p.add_argument_group("prefill/decode disaggregation")
     pd.add_argument(
         "--pd",
@@ -395,10 +401,26 @@ def run_compare(args: argparse.Namespace) -> int:
     }
     if capacity is not None:
         meta["capacity"] = capacity
+    bound = None
+    if not args.no_bound:
+        from dataclasses import replace
+
+        from kvroute.sim.bound import bound_summary
+
+        reached = [c["rate"] for c in (capacity or {}).get("policies", {}).values() if c["rate"] is not None]
+        bound = bound_summary(
+            lambda r: replace(base, rate_scale=r),
+            rates,
+            (slo.ttft_p99_ms, slo.tpot_p99_ms) if slo else None,
+            max(reached, default=min(rates)),
+        )
+        meta["bound"] = bound
     ref = reference_setting(base, scrapes, delays)
     table = compare_table_md(runs, ref)
     if capacity is not None:
-        table += "\n\n" + _plain_capacity_md(capacity)
+        table += "\n\n" + _plain_capacity_md(capacity, bound)
+    if bound is not None:
+        table += "\n\n" + _plain_bound_md(bound, runs)
     title = f"{Path(str(meta['workload'])).name}, {args.instances} instances"
     write_outputs(out_dir, meta, runs, table, title, ref)
     print(table)
@@ -435,21 +457,51 @@ def _plain_capacity(base: Any, policies: Sequence[str], light: float, slo: Any, 
     }
 
 
-def _plain_capacity_md(capacity: dict[str, Any]) -> str:
+def _plain_capacity_md(capacity: dict[str, Any], bound: dict[str, Any] | None = None) -> str:
     slo = capacity["slo"]
+    limit = None if bound is None else bound.get("capacity")
     lines = [
         f"### capacity at TTFT p99 ≤ {slo['ttft_p99_ms']:g} ms and TPOT p99 ≤ {slo['tpot_p99_ms']:g} ms",
         "",
-        "| policy | capacity (rate scale) | first failing probe |",
-        "|---|---:|---:|",
+        "| policy | capacity (rate scale) | of the bound | first failing probe |",
+        "|---|---:|---:|---:|",
     ]
     for p, c in capacity["policies"].items():
         rate, failed = c["rate"], c["failed_rate"]
+        of = f"{rate / limit:.2f}" if rate is not None and limit else "—"
         lines.append(
-            f"| {p} | {'none' if rate is None else f'×{rate:.4g}'} | "
+            f"| {p} | {'none' if rate is None else f'×{rate:.4g}'} | {of} | "
             f"{'none (ramp ended)' if failed is None else f'×{failed:.4g}'} |"
         )
     lines += ["", best_at_slo(capacity["policies"])]
+    if bound is not None:
+        above = bound.get("capacity_above")
+        lines.append(
+            "The bound (no router meets this SLO above it; docs/results/bound.md): "
+            + (f"×{limit:.4g}." if limit is not None else f"above ×{above:.4g}." if above else "none.")
+        )
+    return "\n".join(lines)
+
+
+def _plain_bound_md(bound: dict[str, Any], runs: Sequence[Summary]) -> str:
+    """Per rate: the mean TTFT bound beside the best policy's mean TTFT there."""
+    e = bound["engine"]
+    lines = [
+        "### the bound (docs/results/bound.md)",
+        "",
+        f"Engine limits from the cost model: {e['peak_tokens_per_s']:,.0f} tokens/s at most, "
+        f"{e['peak_decode_tokens_per_s']:,.0f} decoded tokens/s, steps of {e['min_step_ms']:.2f} ms at least.",
+        "",
+        "| rate scale | requests | oracle KV hit rate | mean TTFT ≥ (ms) | TTFT p99 ≥ (ms) | best policy's mean TTFT (ms) |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for b in bound["rates"]:
+        at = [r["ttft_ms"]["mean"] for r in runs if r["rate_scale"] == b["rate"]]
+        best = f"{min(at):.1f}" if at else "—"
+        lines.append(
+            f"| ×{b['rate']:.4g} | {b['requests']:,} | {b['oracle_kv_hit_rate']:.3f} | {b['ttft_mean_ms']:.1f} | "
+            f"{b['ttft_floor_p99_ms']:.1f} | {best} |"
+        )
     return "\n".join(lines)
 
 

@@ -25,11 +25,13 @@ Derivation and assumptions: ``docs/results/bound.md``. In short, for N instances
 - **Peak decode rate** D* = max over d ≤ S of d / τ_dec(d), τ_dec(d) = a step of d decoding
   sequences with one token of context each (a step with d decodes lasts at least that).
 - **Capacity**: meeting TTFT p99 ≤ F and TPOT p99 ≤ P with every request finished needs (1) the k-th
-  smallest TTFT floor ≤ F, k = floor(0.99 · n); (2) the k smallest m(i) computed by (last arrival +
-  F): ≤ N · R* · (last arrival + F); (3) for the j ≥ n − (n − k) − (n_t − floor(0.99 · n_t)) requests
-  that meet both (n_t: requests with more than one output token), finished by last arrival + F +
-  (max output − 1) · P, so their prefill and decode tokens (the j smallest m(i) + out(i) − 1) fit in
-  N · R* times that horizon and their decode tokens (the j smallest out(i) − 1) in N · D* times it.
+  smallest TTFT floor ≤ F, k = floor(0.99 · n); (2) at every time t, the m(i) of the requests with
+  arrival + F ≤ t, less the n − k largest of them (those allowed to miss F), computed by t: ≤ N · R*
+  · t; (3) for the j ≥ n − (n − k) − (n_t − floor(0.99 · n_t)) requests that meet both (n_t:
+  requests with more than one output token), finished by arrival + F + (out − 1) · P: at every t,
+  their prefill and decode tokens (m(i) + out(i) − 1) due by t, less the n − j largest, fit in
+  N · R* · t, and their decoded tokens (out(i) − 1) in N · D* · t. (Checked at 64 quantiles of the
+  due times and the last: fewer checks only loosen the bound.)
   The capacity bound is the lowest rate scale failing one of these (searched like the policies'
   capacity, on the workload as that rate generates it).
 
@@ -132,11 +134,29 @@ def oracle_misses(requests: Iterable[Request]) -> list[int]:
 _MASK = (1 << 64) - 1
 
 
+def _fits_by_deadlines(
+    deadlines: np.ndarray, works: np.ndarray, excused: int, rate: float, points: int = 64
+) -> bool:
+    """For each t among ``points`` quantiles of ``deadlines`` (and the last): the works due by t, less
+    the ``excused`` largest of them (requests allowed to miss), fit in ``rate`` · t."""
+    order = np.argsort(deadlines, kind="stable")
+    d, w = deadlines[order], works[order].astype(np.float64)
+    n = len(d)
+    for idx in sorted({int(q * (n - 1)) for q in np.linspace(0.0, 1.0, points)} | {n - 1}):
+        t = d[idx]
+        due = w[: np.searchsorted(d, t, side="right")]
+        drop = min(excused, len(due))
+        total = due.sum() - (np.partition(due, len(due) - drop)[len(due) - drop :].sum() if drop else 0.0)
+        if total > rate * t:
+            return False
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class WorkloadBound:
     """The bound's terms on one generated workload: ``requests``, ``last_arrival_s``, the oracle's
-    KV hit rate (cached / prompt tokens), the mean and p99 TTFT floors (ms), and per request the
-    oracle's misses and the output tokens (for :meth:`meets`)."""
+    KV hit rate (cached / prompt tokens), the mean and p99 TTFT floors and the pooled SRPT mean (ms),
+    and per request the arrival (s), the oracle's misses and the output tokens (for :meth:`meets`)."""
 
     requests: int
     last_arrival_s: float
@@ -144,8 +164,11 @@ class WorkloadBound:
     ttft_floor_mean_ms: float
     ttft_floor_p99_ms: float
     pooled_srpt_mean_ms: float = 0.0
-    misses: tuple[int, ...] = field(default=(), repr=False)
-    outputs: tuple[int, ...] = field(default=(), repr=False)
+    arrivals: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False, compare=False)
+    misses: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False, compare=False)
+    outputs: np.ndarray = field(
+        default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False, compare=False
+    )
 
     @property
     def ttft_mean_bound_ms(self) -> float:
@@ -163,18 +186,19 @@ class WorkloadBound:
         k = max(1, math.floor(0.99 * n))  # at least k requests meet the TTFT objective
         ttft_s, tpot_s = ttft_p99_ms / 1000.0, tpot_p99_ms / 1000.0
         rate = instances * engine.peak_tokens_s
-        if sum(sorted(self.misses)[:k]) > rate * (self.last_arrival_s + ttft_s):
+        a = np.asarray(self.arrivals, dtype=np.float64)
+        m = np.asarray(self.misses, dtype=np.int64)
+        if not _fits_by_deadlines(a + ttft_s, m, n - k, rate):
             return False
-        decoded = [o - 1 for o in self.outputs]
-        n_t = sum(1 for d in decoded if d > 0)  # requests with a TPOT
+        decoded = np.asarray(self.outputs, dtype=np.int64) - 1
+        n_t = int((decoded > 0).sum())  # requests with a TPOT
         both = n - (n - k) - (n_t - math.floor(0.99 * n_t))  # meet both objectives, at least
         if both <= 0:
             return True
-        horizon = self.last_arrival_s + ttft_s + max(decoded) * tpot_s
-        work = sorted(m + d for m, d in zip(self.misses, decoded, strict=True))
-        if sum(work[:both]) > rate * horizon:
+        finish = a + ttft_s + decoded * tpot_s  # by when a request meeting both has finished
+        if not _fits_by_deadlines(finish, m + decoded, n - both, rate):
             return False
-        return sum(sorted(decoded)[:both]) <= instances * engine.peak_decode_s * horizon
+        return _fits_by_deadlines(finish, decoded, n - both, instances * engine.peak_decode_s)
 
 
 def srpt_mean_s(arrivals: Sequence[float], works: Sequence[float], speed: float) -> float:
@@ -242,8 +266,9 @@ def workload_bound(requests: Iterable[Request], engine: Engine, instances: int =
         ttft_floor_mean_ms=float(floors.mean()),
         ttft_floor_p99_ms=float(floors[k - 1]),
         pooled_srpt_mean_ms=1000.0 * srpt_mean_s(arrivals, misses.tolist(), instances * engine.peak_tokens_s),
-        misses=tuple(misses.tolist()),
-        outputs=tuple(outputs),
+        arrivals=np.frombuffer(arrivals, dtype=np.float64).copy(),
+        misses=misses,
+        outputs=np.frombuffer(outputs, dtype=np.int64).copy(),
     )
 
 

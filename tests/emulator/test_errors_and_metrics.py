@@ -197,11 +197,25 @@ async def test_disconnect_aborts_and_frees_blocks(start_server, stream):
     assert idle.cached_blocks == 400 // 16  # the prompt's blocks stay cached, unreferenced
 
 
-async def test_metrics_name_filter_serves_only_the_named_samples(server: EmulatorServer):
-    """``/metrics?name[]=...`` (prometheus_client's filter, what the router scrapes): only those
-    samples, and what the router parses from them equals what it parses from the whole page."""
+async def test_metrics_name_filter_ignored_by_default_as_vllm_0_32(server: EmulatorServer):
+    """vLLM 0.32 ignores ``/metrics?name[]=``: every scrape renders the whole page. So does the
+    emulator by default."""
+    from kvroute.server.state.backends import SCRAPE_PATH
+
+    base = f"http://127.0.0.1:{server.port}"
+    async with aiohttp.ClientSession() as s, s.get(base + SCRAPE_PATH) as r:
+        part = await r.read()
+    names = {fam.name for fam in text_string_to_metric_families(part.decode())}
+    assert "vllm:time_to_first_token_seconds" in names and "vllm:cache_config_info" in names
+
+
+async def test_metrics_name_filter_serves_only_the_named_samples(start_server):
+    """With ``metrics_name_filter`` (``--metrics-name-filter``), ``/metrics?name[]=...``
+    (prometheus_client's filter) serves only those samples, and what the router parses from them
+    equals what it parses from the whole page."""
     from kvroute.server.state.backends import SCRAPE_PATH, parse_vllm_metrics
 
+    server: EmulatorServer = await start_server(metrics_name_filter=True)
     status, _ = await post(server, "/v1/completions", {"prompt": list(range(1000, 1100)), "max_tokens": 4})
     assert status == 200
     base = f"http://127.0.0.1:{server.port}"

@@ -34,8 +34,8 @@ from kvroute.server.config import BackendSpec, RouterConfig
 from kvroute.tokenizer import Tokenizer, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
-VENV = Path(os.environ.get("KVROUTE_VLLM_VENV") or ROOT / ".venv-vllm")
-MODEL = Path(os.environ.get("KVROUTE_VLLM_MODEL") or VENV / "tiny-qwen3")
+VENV = Path(os.environ.get("KVROUTE_VLLM_VENV") or ROOT / ".venv-vllm").absolute()
+MODEL = Path(os.environ.get("KVROUTE_VLLM_MODEL") or VENV / "tiny-qwen3").absolute()
 VLLM = find_vllm(VENV)
 SERVED = "tiny"
 BLOCKS = (32, 128)  # engine 0's and engine 1's block sizes, tokens

@@ -26,14 +26,17 @@ pytestmark = real_vllm
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 
 
-async def settle(router: RouterServer, timeout_s: float = 10.0) -> None:
-    """Wait until every backend is healthy and its KV event subscriber connected (one ZMQ round)."""
+async def settle(router: RouterServer, timeout_s: float = 30.0) -> None:
+    """Wait until every backend is healthy, its KV event replay done and its live subscription on."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if all(b.healthy for b in router.state.backends):
             break
         await asyncio.sleep(0.1)
-    await asyncio.sleep(1.0)  # ZMQ SUB joins late: give the subscription a moment
+    # the replay asked for on subscribe: the engines' earlier events (the session's servers keep
+    # thousands of batches; under load the replay takes longer than the router's start waits)
+    await router.fleet.wait_synced(max(1.0, deadline - time.monotonic()))
+    await asyncio.sleep(0.5)  # ZMQ SUB joins late: give the live subscription a moment
 
 
 async def quiet(router: RouterServer, idle_s: float = 0.3, timeout_s: float = 5.0) -> None:
@@ -279,8 +282,9 @@ async def test_router_started_after_engines(fleet: Fleet, router_factory: Any) -
         assert direct.status == 200
         router = await router_factory(fleet.specs(), policy="lmetric-kv")
         await settle(router)
+        assert all(s.synced.is_set() for s in router.subscribers)
         r = await post(http, router.url, "/v1/chat/completions", chat(msgs))
-    assert r.backend == fleet.urls[1]
+    assert r.backend == fleet.urls[1], [(s.backend, s.replayed, s.partial) for s in router.subscribers]
     assert r.predicted == r.cached > 0
 
 

@@ -38,9 +38,8 @@ def test_up_engine_vllm_routes_and_stops(tmp_path: Path) -> None:
     argv += ["--vllm", str(VENV), "--instances", "1", "--port", str(port), "--engine-block-size", "32"]
     argv += ["--kv-blocks", "256", "--max-model-len", "4096", "--engine-log-dir", str(logs)]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True
-    )
+    err = (tmp_path / "up.err").open("wb")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True)
     try:
         line = b""
         deadline = time.monotonic() + 600
@@ -50,10 +49,7 @@ def test_up_engine_vllm_routes_and_stops(tmp_path: Path) -> None:
                 line = proc.stdout.readline()  # type: ignore[union-attr]
                 if line.startswith(b"router: "):
                     break
-        assert line.startswith(b"router: "), (
-            proc.poll(),
-            proc.stderr.read() if proc.poll() is not None else b"",
-        )  # type: ignore[union-attr]
+        assert line.startswith(b"router: "), (proc.poll(), (tmp_path / "up.err").read_text())
         base = line.split()[1].decode()
         assert base == f"http://127.0.0.1:{port}/v1"
         body = {
@@ -82,7 +78,9 @@ def test_up_engine_vllm_routes_and_stops(tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 0, proc.stderr.read()  # type: ignore[union-attr]
+        proc.stdout.close()  # type: ignore[union-attr]
+        err.close()
+    assert proc.returncode == 0, (tmp_path / "up.err").read_text()
     try:
         urllib.request.urlopen(vllm_url + "/health", timeout=2)
         raise AssertionError("vllm serve still answers after kvroute up stopped")

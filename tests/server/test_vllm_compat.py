@@ -290,3 +290,15 @@ async def test_late_all_blocks_cleared_is_bounded_by_the_shortfall_evidence(
         async with s.get(url + "/metrics") as r:
             metrics = await r.text()
     assert f'kvroute_kv_cached_shortfalls_total{{backend="{holder}"}} 1.0' in metrics
+
+
+async def test_router_metrics_name_the_scraper(fleet: Fleet, tokenizer: Tokenizer) -> None:
+    """Fix 3 on /metrics: a single router is its machine's scraper; idle, its interval grows."""
+    await fleet.engine(tokenizer)
+    url = await fleet.start(tokenizer)
+    await asyncio.sleep(1.0)
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    assert "kvroute_scraper 1.0" in text and "kvroute_scrapes_total" in text
+    line = next(x for x in text.splitlines() if x.startswith("kvroute_scrape_interval_seconds"))
+    assert float(line.split()[-1]) > 0.05

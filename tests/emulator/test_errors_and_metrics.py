@@ -243,9 +243,9 @@ async def test_clients_that_leave_mid_stream_are_counted_without_a_traceback(sta
     import socket
     import struct
 
-    server = await start_server(time_scale=50.0)
+    server = await start_server(time_scale=5.0)  # ~2 ms a token: each stream would last ~6 s
     caplog.set_level("DEBUG")
-    body = orjson_dumps({"model": MODEL, "prompt": "hello there", "max_tokens": 400, "stream": True})
+    body = orjson_dumps({"model": MODEL, "prompt": "hello there", "max_tokens": 3000, "stream": True})
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"

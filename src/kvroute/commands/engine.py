@@ -111,7 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["array", "map", "sglang"],
         default=None,
         help="event encoding: array (older vLLM), map (newer) or sglang "
-        "(default: array, or sglang with --flavor sglang)",
+        "(default: map, as vLLM 0.32 sends; sglang with --flavor sglang)",
     )
     p.add_argument(
         "--kv-events-page-size",
@@ -252,7 +252,7 @@ def build(args: argparse.Namespace) -> tuple[EmulatorSettings, Profile, Tokenize
         max_model_len=max_len,
         report_tokens=True,
     )
-    fmt: EventFormat = args.kv_events_format or ("sglang" if args.flavor == "sglang" else "array")
+    fmt: EventFormat = args.kv_events_format or ("sglang" if args.flavor == "sglang" else "map")
     page = args.kv_events_page_size
     if page is not None:
         if fmt != "sglang":

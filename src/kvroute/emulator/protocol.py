@@ -285,12 +285,20 @@ def render_body(req: GenerateRequest, body: Mapping[str, Any], rid: str) -> dict
     }
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, block_size: int) -> dict[str, Any]:
+    """vLLM 0.32's usage with ``--enable-prompt-tokens-details``: ``cached_tokens`` (the prefix-cache
+    hit), ``created_cache_tokens`` (the prompt tokens this request added to the cache: its full
+    blocks, ``block_size`` tokens each, minus the hit) and ``multimodal_tokens`` (None: text only)."""
+    created = max(0, prompt_tokens // block_size * block_size - cached_tokens)
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": {
+            "cached_tokens": cached_tokens,
+            "created_cache_tokens": created,
+            "multimodal_tokens": None,
+        },
     }
 
 
@@ -310,7 +318,11 @@ def chunk(
 
 
 def usage_chunk(req: GenerateRequest, rid: str, created: int, use: dict[str, Any]) -> dict[str, Any]:
+    """The stream's last chunk; vLLM leaves the unset ``multimodal_tokens`` out of it (its chunks
+    are serialised without None fields), unlike the whole response's usage."""
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+    details = {k: v for k, v in use["prompt_tokens_details"].items() if v is not None}
+    use = {**use, "prompt_tokens_details": details}
     return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [], "usage": use}
 
 

@@ -104,7 +104,7 @@ class KVEventsSettings:
     """Where and how KV events are published (see :mod:`kvroute.emulator.publisher`)."""
 
     endpoint: str
-    fmt: EventFormat = "array"
+    fmt: EventFormat = "map"  # vLLM 0.10+ (0.32 included) sends maps tagged "type"
     topic: str = ""
     replay_endpoint: str | None = None
     connect: bool = False
@@ -140,6 +140,10 @@ class EmulatorSettings:
     kv_transfer: KVTransferSettings | None = None
     kv_bytes_per_token: float = 0.0
     metrics_name_filter: bool = False
+
+
+FULL_ATTENTION = "full_attention"
+"""vLLM's ``KVCacheSpecKind`` of a full-attention KV cache group (what its ``BlockStored`` carries)."""
 
 
 def _sse(obj: Any) -> bytes:
@@ -326,7 +330,8 @@ class EmulatorServer:
     def _tag(self, events: list[KVEvent]) -> list[KVEvent]:
         """What vLLM 0.32 adds to a ``BlockStored``: ``extra_keys`` (one entry per block: the
         adapter's name in each block of an adapter request, then a salted prompt's ``cache_salt`` in
-        its first block; None for a block with neither), ``group_idx`` 0 and, for adapter blocks,
+        its first block; None for a block with neither), ``group_idx`` 0, ``kv_cache_spec_kind``
+        ``"full_attention"`` (one full-attention KV cache group, as vLLM's for Qwen3) and, for adapter blocks,
         ``lora_id``/``lora_name``. Forgets removed blocks."""
         blocks, salted = self._adapter_blocks, self._salted
         out: list[KVEvent] = []
@@ -337,7 +342,7 @@ class EmulatorServer:
                 keys: list[tuple[object, ...] | None] = [(name,) if name else None] * len(ev.block_hashes)
                 if salt is not None:
                     keys[0] = (name, salt) if name else (salt,)
-                ev = replace(ev, extra_keys=tuple(keys), group_idx=0)
+                ev = replace(ev, extra_keys=tuple(keys), group_idx=0, kv_cache_spec_kind=FULL_ATTENTION)
                 if name is not None:
                     ev = replace(ev, lora_id=self._lora_ids[name], lora_name=name)
             elif isinstance(ev, BlockRemoved):
@@ -603,7 +608,14 @@ class EmulatorServer:
         finally:
             await gen.aclose()
         text = self.tokenizer.decode(self._filler_ids(0, n))
-        body = full_response(req, rid, created, text, "length", usage(len(req.prompt_ids), n, cached))
+        body = full_response(
+            req,
+            rid,
+            created,
+            text,
+            "length",
+            usage(len(req.prompt_ids), n, cached, self.engine_config.block_size),
+        )
         if self.kv_transfer is not None:
             body["kv_transfer_params"] = (
                 self._transfer_params(rid, len(req.prompt_ids), cached) if kvp.remote_decode else None
@@ -632,7 +644,14 @@ class EmulatorServer:
                 self._transfer_params(rid, len(req.prompt_ids), cached)
             if req.include_usage:
                 await resp.write(
-                    _sse(usage_chunk(req, rid, created, usage(len(req.prompt_ids), sent, cached)))
+                    _sse(
+                        usage_chunk(
+                            req,
+                            rid,
+                            created,
+                            usage(len(req.prompt_ids), sent, cached, self.engine_config.block_size),
+                        )
+                    )
                 )
             await resp.write(b"data: [DONE]\n\n")
         except ApiError as exc:

@@ -86,8 +86,9 @@ def find_vllm(venv: str | os.PathLike[str] | None = None) -> Path | None:
 @dataclass(frozen=True)
 class VllmSettings:
     """How to start one ``vllm serve``. Sizes: ``block_size`` in tokens, ``num_blocks`` in engine blocks
-    (None: as many as ``kv_cache_bytes`` holds), ``kv_cache_bytes`` in bytes, ``max_model_len`` in
-    tokens. ``replay_buffer_steps``: engine steps of KV events the replay socket keeps (vLLM's
+    (None: as many as ``kv_cache_bytes`` holds), ``kv_cache_bytes`` in bytes (None: vLLM's own
+    sizing), ``max_model_len`` in tokens (None: the model's). ``env``: more environment variables
+    (e.g. ``CUDA_VISIBLE_DEVICES``). ``replay_buffer_steps``: engine steps of KV events the replay socket keeps (vLLM's
     ``buffer_steps``). ``extra_args`` go last, so they win over the defaults here."""
 
     vllm: Path
@@ -96,12 +97,13 @@ class VllmSettings:
     block_size: int | None = None
     num_blocks: int | None = None
     kv_cache_bytes: int | None = 64 << 20
-    max_model_len: int = 4096
+    max_model_len: int | None = None
     chat_template: str | None = None
     replay_buffer_steps: int | None = None
     cpu: bool = True
     dev_mode: bool = True
     host: str = "127.0.0.1"
+    env: tuple[tuple[str, str], ...] = ()
     extra_args: tuple[str, ...] = ()
 
     def validate(self) -> VllmSettings:
@@ -116,7 +118,7 @@ class VllmSettings:
                 )
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("the number of KV blocks must be >= 1")
-        if self.max_model_len < 1:
+        if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max model length must be >= 1")
         return self
 
@@ -147,7 +149,9 @@ def vllm_argv(s: VllmSettings, port: int, pub_port: int, replay_port: int) -> li
     if s.served_model_name:
         argv += ["--served-model-name", s.served_model_name]
     argv += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
-    argv += ["--max-model-len", str(s.max_model_len), "--kv-events-config", json.dumps(events)]
+    argv += ["--kv-events-config", json.dumps(events)]
+    if s.max_model_len is not None:
+        argv += ["--max-model-len", str(s.max_model_len)]
     if s.block_size is not None:
         argv += ["--block-size", str(s.block_size)]
     if s.num_blocks is not None:
@@ -171,7 +175,9 @@ def vllm_env(s: VllmSettings, base: Mapping[str, str] | None = None) -> dict[str
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if s.dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
-    env.setdefault("HF_HUB_OFFLINE", "1")  # a local model folder: never reach for a hub
+    if Path(s.model).is_dir():
+        env.setdefault("HF_HUB_OFFLINE", "1")  # a local model folder: never reach for a hub
+    env.update(s.env)
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     return env
 

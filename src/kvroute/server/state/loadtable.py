@@ -111,14 +111,17 @@ class LoadTable:
 
     @classmethod
     def create_shared(
-        cls, writers: int, lock: Any, slots: int = DEFAULT_SLOTS
+        cls, writers: int, lock: Any, slots: int = DEFAULT_SLOTS, name_prefix: str | None = None
     ) -> tuple[LoadTable, SharedTableSpec]:
         """The parent's table over new shared-memory segments (it writes row 0, which its workers
         then must not: give them rows 1..writers-1, or create with one row more than workers); returns
         it and the spec the workers attach with. The creator must :meth:`close` with ``unlink=True``
-        once the workers are gone."""
-        counts_shm = shared_memory.SharedMemory(create=True, size=_counts_bytes(writers, slots))
-        urls_shm = shared_memory.SharedMemory(create=True, size=slots * _URL_BYTES)
+        once the workers are gone. ``name_prefix``: the segments are ``PREFIX-counts`` and
+        ``PREFIX-urls`` (a supervisor stamps them with its pid, :mod:`.runfiles`); else random names."""
+        counts_name = f"{name_prefix}-counts" if name_prefix else None
+        urls_name = f"{name_prefix}-urls" if name_prefix else None
+        counts_shm = shared_memory.SharedMemory(counts_name, create=True, size=_counts_bytes(writers, slots))
+        urls_shm = shared_memory.SharedMemory(urls_name, create=True, size=slots * _URL_BYTES)
         counts, urls = _buf(counts_shm), _buf(urls_shm)
         counts[:] = bytes(len(counts))
         urls[:] = bytes(len(urls))

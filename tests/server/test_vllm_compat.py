@@ -143,8 +143,30 @@ async def test_cache_salt_salted_repeat_hits_and_unsalted_same_text_misses(
             url + "/v1/chat/completions", json={"model": MODEL, "messages": msgs, "cache_salt": 3}
         ) as r:
             assert r.status == 400  # the router refuses a non-string salt
+        # completions too: a salted text prompt, then its salted repeat on the holder
+        body = {"model": MODEL, "prompt": "Salted completion prompt about rivers. " * 30, "max_tokens": 2}
+        salted = {**body, "cache_salt": "tenant-c"}
+        async with s.post(url + "/v1/completions", json=salted) as r:
+            assert r.status == 200 and int(r.headers["x-kvroute-cached-tokens"]) == 0
+            first = r.headers["x-kvroute-backend"]
+        await settle(fleet)
+        async with s.post(url + "/v1/completions", json=salted) as r:
+            data = await r.json()
+            hit = int(r.headers["x-kvroute-cached-tokens"])
+            assert r.headers["x-kvroute-backend"] == first
+            assert hit == data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        await settle(fleet)
+        async with s.post(url + "/v1/completions", json=body) as r:
+            data = await r.json()
+            assert int(r.headers["x-kvroute-cached-tokens"]) == 0
+            assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     roots = [e for e in seen if e.parent_block_hash is None]
-    assert {e.extra_keys[0] if e.extra_keys else None for e in roots} == {("tenant-a",), ("tenant-b",), None}
+    assert {e.extra_keys[0] if e.extra_keys else None for e in roots} == {
+        ("tenant-a",),
+        ("tenant-b",),
+        ("tenant-c",),
+        None,
+    }
     assert all(e.extra_keys is not None and len(e.extra_keys) == len(e.block_hashes) for e in seen)
     assert all(k is None for e in seen if e.parent_block_hash is not None for k in e.extra_keys or ())
 

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench lint sim-mooncake compare clean vllm-venv test-vllm vllm-eval
+.PHONY: run test bench soak lint sim-mooncake compare clean vllm-venv test-vllm vllm-eval
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all $(ONLY)
+
+## A bounded chaos soak (benchmarks/soak.py): ~3,000 requests through 2 replicas x 2 workers before
+## 4 emulated engines, with faults and bad inputs; a few minutes on 2 cores; writes benchmarks/results/soak.json.
+soak: $(STAMP)
+	$(BIN)/python -m benchmarks.soak
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

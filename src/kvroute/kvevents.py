@@ -262,6 +262,8 @@ def decode_batch(payload: bytes) -> tuple[float, list[KVEvent], int | None]:
         obj = msgspec.msgpack.decode(payload)
     except (msgspec.DecodeError, TypeError, ValueError) as exc:
         raise KVEventDecodeError(f"invalid msgpack: {exc}") from exc
+    except RecursionError:  # nested deeper than the decoder recurses: no valid batch is
+        raise KVEventDecodeError("invalid msgpack: nested too deeply") from None
     if isinstance(obj, list):
         if not 2 <= len(obj) <= 3:
             raise KVEventDecodeError(f"EventBatch array must have 2 or 3 items, got {len(obj)}")

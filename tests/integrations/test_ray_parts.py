@@ -86,6 +86,11 @@ def test_instance_view_ends_prefill_at_the_replicas_ttft_estimate() -> None:
     assert (v.running, v.waiting, v.queued_prefill_tokens) == (0, 1, 500)
     v = instance_view(0, stats, [], [(9.99, 10.2, 100)], now=10.3)
     assert (v.running, v.waiting, v.queued_prefill_tokens) == (1, 0, 400)
+    # A prompt of several chunks under the replica's budget takes one TTFT per chunk: 300 tokens
+    # at 128 per step are 3 chunks, so (10.1, 300) ends at 10.25 <= 10.3 but (10.2, 300) at 10.35.
+    budget = {**stats, "max_num_batched_tokens": 128}
+    v = instance_view(0, budget, [(10.1, 300), (10.2, 300)], [], now=10.3)
+    assert (v.running, v.waiting, v.queued_prefill_tokens) == (2, 2, 800)
     for bad in (-1.0, float("nan"), float("inf"), "0.05", True):  # a bad estimate is ignored
         v = instance_view(0, {**stats, "ttft_p50_s": bad}, late, [], now=10.3)
         assert (v.running, v.waiting, v.queued_prefill_tokens) == (1, 3, 1000)

@@ -179,3 +179,20 @@ def test_rate_limited_log_counts_what_it_suppressed(caplog: pytest.LogCaptureFix
     msgs = [r.getMessage() for r in caplog.records]
     assert msgs == ["first", "other kind", "later (2 more suppressed in the last 1 s)"]
     assert limiter.suppressed_total == 2
+
+
+async def test_a_connection_error_out_of_a_handler_is_a_debug_line_not_a_traceback(
+    router: tuple[RouterServer, int], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handler that meets a broken client connection (ConnectionResetError) logs no traceback."""
+    server, port = router
+
+    async def gone(*args: object) -> object:
+        raise ConnectionResetError("Cannot write to closing transport")
+
+    monkeypatch.setattr(server.proxy, "handle", gone)
+    caplog.set_level(logging.DEBUG)
+    status, headers, body = await raw(port, request("POST", "/v1/completions", b'{"prompt": "x"}'))
+    assert_json_error(status, headers, body, 500)
+    assert not [r for r in caplog.records if r.exc_info is not None]
+    assert [r for r in caplog.records if "went away" in r.getMessage() and r.levelno == logging.DEBUG]

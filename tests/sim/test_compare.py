@@ -357,6 +357,7 @@ def small_plan() -> PaperPlan:
         staleness_workload="w1",
         scrape_intervals=(0.0, 0.05, 1.0),
         event_delays=(0.002, 0.5),
+        bound=False,  # the fake workloads generate no requests (the bound: tests/sim/test_bound.py)
     )
 
 

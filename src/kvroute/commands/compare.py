@@ -109,6 +109,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --preset: seeds at the default load, comma-separated (default 0,1,2)",
     )
     p.add_argument("--no-progress", action="store_true", help="no per-run progress lines on stderr")
+    p.add_argument(
+        "--no-bound",
+        action="store_true",
+        help="skip the bound (docs/results/bound.md): mean TTFT no router beats at each rate, and "
+        "with --slo-* the capacity no router beats",
+    )
     pd = p.add_argument_group("prefill/decode disaggregation")
     pd.add_argument(
         "--pd",
@@ -395,10 +401,26 @@ def run_compare(args: argparse.Namespace) -> int:
     }
     if capacity is not None:
         meta["capacity"] = capacity
+    bound = None
+    if not args.no_bound:
+        from dataclasses import replace
+
+        from kvroute.sim.bound import bound_summary
+
+        reached = [c["rate"] for c in (capacity or {}).get("policies", {}).values() if c["rate"] is not None]
+        bound = bound_summary(
+            lambda r: replace(base, rate_scale=r),
+            rates,
+            (slo.ttft_p99_ms, slo.tpot_p99_ms) if slo else None,
+            max(reached, default=min(rates)),
+        )
+        meta["bound"] = bound
     ref = reference_setting(base, scrapes, delays)
     table = compare_table_md(runs, ref)
     if capacity is not None:
-        table += "\n\n" + _plain_capacity_md(capacity)
+        table += "\n\n" + _plain_capacity_md(capacity, bound)
+    if bound is not None:
+        table += "\n\n" + _plain_bound_md(bound, runs)
     title = f"{Path(str(meta['workload'])).name}, {args.instances} instances"
     write_outputs(out_dir, meta, runs, table, title, ref)
     print(table)
@@ -435,21 +457,51 @@ def _plain_capacity(base: Any, policies: Sequence[str], light: float, slo: Any, 
     }
 
 
-def _plain_capacity_md(capacity: dict[str, Any]) -> str:
+def _plain_capacity_md(capacity: dict[str, Any], bound: dict[str, Any] | None = None) -> str:
     slo = capacity["slo"]
+    limit = None if bound is None else bound.get("capacity")
     lines = [
         f"### capacity at TTFT p99 ≤ {slo['ttft_p99_ms']:g} ms and TPOT p99 ≤ {slo['tpot_p99_ms']:g} ms",
         "",
-        "| policy | capacity (rate scale) | first failing probe |",
-        "|---|---:|---:|",
+        "| policy | capacity (rate scale) | of the bound | first failing probe |",
+        "|---|---:|---:|---:|",
     ]
     for p, c in capacity["policies"].items():
         rate, failed = c["rate"], c["failed_rate"]
+        of = f"{rate / limit:.2f}" if rate is not None and limit else "—"
         lines.append(
-            f"| {p} | {'none' if rate is None else f'×{rate:.4g}'} | "
+            f"| {p} | {'none' if rate is None else f'×{rate:.4g}'} | {of} | "
             f"{'none (ramp ended)' if failed is None else f'×{failed:.4g}'} |"
         )
     lines += ["", best_at_slo(capacity["policies"])]
+    if bound is not None:
+        above = bound.get("capacity_above")
+        lines.append(
+            "The bound (no router meets this SLO above it; docs/results/bound.md): "
+            + (f"×{limit:.4g}." if limit is not None else f"above ×{above:.4g}." if above else "none.")
+        )
+    return "\n".join(lines)
+
+
+def _plain_bound_md(bound: dict[str, Any], runs: Sequence[Summary]) -> str:
+    """Per rate: the mean TTFT bound beside the best policy's mean TTFT there."""
+    e = bound["engine"]
+    lines = [
+        "### the bound (docs/results/bound.md)",
+        "",
+        f"Engine limits from the cost model: {e['peak_tokens_per_s']:,.0f} tokens/s at most, "
+        f"{e['peak_decode_tokens_per_s']:,.0f} decoded tokens/s, steps of {e['min_step_ms']:.2f} ms at least.",
+        "",
+        "| rate scale | requests | oracle KV hit rate | mean TTFT ≥ (ms) | TTFT p99 ≥ (ms) | best policy's mean TTFT (ms) |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for b in bound["rates"]:
+        at = [r["ttft_ms"]["mean"] for r in runs if r["rate_scale"] == b["rate"]]
+        best = f"{min(at):.1f}" if at else "—"
+        lines.append(
+            f"| ×{b['rate']:.4g} | {b['requests']:,} | {b['oracle_kv_hit_rate']:.3f} | {b['ttft_mean_ms']:.1f} | "
+            f"{b['ttft_floor_p99_ms']:.1f} | {best} |"
+        )
     return "\n".join(lines)
 
 
@@ -580,7 +632,9 @@ def run_paper_preset(args: argparse.Namespace) -> int:
     make_dir(out_dir)
     t0 = time.perf_counter()
     with _runner(args, _on_done(not args.no_progress)) as runner:
-        result = run_paper(plan, runner.run, note=lambda s: print(s, flush=True))
+        result = run_paper(
+            plan, runner.run, note=lambda s: print(s, flush=True), mapper=getattr(runner, "map", None)
+        )
     wall = time.perf_counter() - t0
     flags = [f"--jobs {args.jobs}"]
     if args.duration:
@@ -785,6 +839,7 @@ def paper_markdown(result: dict[str, Any], out_dir: Path, doc: Path) -> str:
     the staleness tables."""
     from kvroute.commands.preset_report import (
         BEST_LINEAR,
+        bound_summary_table,
         capacity_summary,
         capacity_table,
         difference_table,
@@ -894,6 +949,21 @@ def paper_markdown(result: dict[str, Any], out_dir: Path, doc: Path) -> str:
             "",
             capacity_summary(result["workloads"], cols, ref),
         ]
+    bound_md = bound_summary_table(result["workloads"], cols if plan["capacity"] else [])
+    if bound_md:
+        lines += [
+            "",
+            "## The bound: capacity as a fraction of what no router can beat",
+            "",
+            "Capacity bound: the lowest rate scale at which the SLO is out of reach for any router on "
+            "this engine model; mean TTFT bound at the default load; the oracle's KV hit rate (every "
+            "prefix another request reuses held on every instance). Derivation and assumptions: "
+            f"[bound.md]({_rel(out_dir.parent / 'bound.md', doc)}). Policy columns: capacity / the "
+            "capacity bound (seed 0; 1.00 would be the limit). The bound column above is the bound "
+            f"relative to `{ref}`.",
+            "",
+            bound_md,
+        ]
     for w in result["workloads"]:
         names = _names_for(w["best_lambda"])
         shown = _shown(plan, w)
@@ -940,6 +1010,18 @@ def paper_markdown(result: dict[str, Any], out_dir: Path, doc: Path) -> str:
                 + "."
             )
             lines.append("")
+        b = w.get("bound")
+        if b:
+            at_b = b["rates"][0]
+            means = [r["ttft_ms"]["mean"] for r in rows]
+            lines += [
+                f"Bound at this load: mean TTFT ≥ {at_b['ttft_mean_ms']:.1f} ms (best policy here: "
+                f"{min(means):.1f} ms), TTFT p99 ≥ {at_b['ttft_floor_p99_ms']:.1f} ms, oracle KV hit rate "
+                f"{at_b['oracle_kv_hit_rate']:.3f}"
+                + (f"; capacity ≤ ×{b['capacity']:.3g}" if b.get("capacity") is not None else "")
+                + ".",
+                "",
+            ]
         if w.get("capacity"):
             slo = w["slo"]
             lines += [

@@ -139,6 +139,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=10_000,
         help="event batches kept for replay, as vLLM's KVEventsConfig.buffer_steps (default 10000)",
     )
+    p.add_argument(
+        "--metrics-name-filter",
+        action="store_true",
+        help="honour /metrics?name[]= filters (vLLM 0.32 ignores them and renders the whole page; "
+        "so does this engine by default)",
+    )
     p.add_argument("--kv-events-topic", default="", help="ZMQ topic (default empty)")
     p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ ROUTER endpoint for replay")
     p.add_argument(
@@ -281,6 +287,7 @@ def build(args: argparse.Namespace) -> tuple[EmulatorSettings, Profile, Tokenize
         flavor=args.flavor,
         kv_transfer=_kv_transfer(args),
         kv_bytes_per_token=profile.model.kv_bytes_per_token_per_rank(args.tp),
+        metrics_name_filter=args.metrics_name_filter,
     )
     return settings, profile, load_tokenizer(args.tokenizer, chat_template=args.chat_template)
 

@@ -99,9 +99,12 @@ def capacity_table(w: dict[str, Any], policies: Sequence[str], reference: str, n
     failing probe and what failed there."""
     entries = {c["policy"]: c for c in w.get("capacity", []) if c["seed"] == w["capacity"][0]["seed"]}
     ref = entries.get(reference, {}).get("rate")
+    bound = bound_capacity(w)
     lines = [
-        "| policy | capacity (rate scale) | vs " + names(reference) + " | first failing probe | failed on |",
-        "|---|---:|---:|---:|---|",
+        "| policy | capacity (rate scale) | vs "
+        + names(reference)
+        + " | of the bound | first failing probe | failed on |",
+        "|---|---:|---:|---:|---:|---|",
     ]
     for p in policies:
         c = entries.get(p)
@@ -110,11 +113,21 @@ def capacity_table(w: dict[str, Any], policies: Sequence[str], reference: str, n
         rel = f"{c['rate'] / ref:.2f}×" if c["rate"] is not None and ref else "—"
         fail = next((pr for pr in c["probes"] if pr["rate"] == c["failed_rate"]), None)
         lines.append(
-            f"| {names(p)} | {_cap_cell(c['rate'], c['failed_rate'])} | {rel} | "
+            f"| {names(p)} | {_cap_cell(c['rate'], c['failed_rate'])} | {rel} | {_of_bound(c['rate'], bound)} | "
             + ("—" if fail is None else f"×{fail['rate']:.3g}")
             + f" | {'—' if fail is None else _why(fail, w['slo'])} |"
         )
     return "\n".join(lines)
+
+
+def bound_capacity(w: dict[str, Any]) -> float | None:
+    """The workload's capacity bound (rate scale; None: not computed or nothing meets it)."""
+    b = w.get("bound")
+    return None if not b else b.get("capacity")
+
+
+def _of_bound(rate: float | None, bound: float | None) -> str:
+    return f"{rate / bound:.2f}" if rate is not None and bound else "—"
 
 
 def _why(probe: dict[str, Any], slo: dict[str, Any]) -> str:
@@ -135,9 +148,12 @@ def capacity_summary(workloads: Sequence[dict[str, Any]], policies: Sequence[str
     """Workloads (rows) × policies (columns): capacity relative to ``reference`` (its own capacity
     in the reference's column). ``policies`` may include names absent from some workloads, and
     :data:`BEST_LINEAR`: the workload's best ``linear:<λ>``."""
+    with_bound = any(bound_capacity(w) is not None for w in workloads)
     lines = [
-        "| workload | SLO: TTFT p99 / TPOT p99 (ms) | " + " | ".join(policies) + " |",
-        "|---|---:|" + "---:|" * len(policies),
+        "| workload | SLO: TTFT p99 / TPOT p99 (ms) | "
+        + " | ".join(policies)
+        + (" | bound |" if with_bound else " |"),
+        "|---|---:|" + "---:|" * (len(policies) + with_bound),
     ]
     for w in workloads:
         caps = capacities(w)
@@ -145,9 +161,7 @@ def capacity_summary(workloads: Sequence[dict[str, Any]], policies: Sequence[str
             continue
         ref = caps.get(reference)
         cells = []
-        for p in policies:
-            if p == BEST_LINEAR and w.get("best_lambda") is not None:
-                p = f"linear:{w['best_lambda']:g}"
+        for p in _resolved(w, policies):
             rate = caps.get(p)
             if p not in caps:
                 cells.append("—")
@@ -155,10 +169,45 @@ def capacity_summary(workloads: Sequence[dict[str, Any]], policies: Sequence[str
                 cells.append("—" if rate is None else f"×{rate:.3g}")
             else:
                 cells.append(f"{rate / ref:.2f}×")
+        if with_bound:
+            bound = bound_capacity(w)
+            cells.append("—" if bound is None else f"{bound / ref:.1f}×" if ref else f"×{bound:.3g}")
         slo = w["slo"]
         lines.append(
             f"| {w['name']} | {slo['ttft_p99_ms']:,.0f} / {slo['tpot_p99_ms']:.1f} | "
             + " | ".join(cells)
             + " |"
+        )
+    return "\n".join(lines)
+
+
+def _resolved(w: dict[str, Any], policies: Sequence[str]) -> list[str]:
+    """``policies`` with :data:`BEST_LINEAR` replaced by the workload's best ``linear:<λ>``."""
+    lam = w.get("best_lambda")
+    return [f"linear:{lam:g}" if p == BEST_LINEAR and lam is not None else p for p in policies]
+
+
+def bound_summary_table(workloads: Sequence[dict[str, Any]], policies: Sequence[str]) -> str:
+    """Workloads (rows) × policies (columns): capacity as a fraction of the workload's bound, and
+    the bound's own terms (capacity, mean TTFT lower bound at the default load, the oracle's KV hit
+    rate). Empty when no workload has a bound."""
+    rows = [w for w in workloads if w.get("bound")]
+    if not rows:
+        return ""
+    lines = [
+        "| workload | bound: capacity | mean TTFT ≥ (ms) | oracle KV hit rate | "
+        + " | ".join(policies)
+        + " |",
+        "|---|---:|---:|---:|" + "---:|" * len(policies),
+    ]
+    for w in rows:
+        b = w["bound"]
+        caps = capacities(w)
+        bound = b.get("capacity")
+        at = b["rates"][0]
+        cells = [_of_bound(caps.get(p), bound) for p in _resolved(w, policies)]
+        lines.append(
+            f"| {w['name']} | {'—' if bound is None else f'×{bound:.3g}'} | {at['ttft_mean_ms']:.1f} | "
+            f"{at['oracle_kv_hit_rate']:.3f} | " + " | ".join(cells) + " |"
         )
     return "\n".join(lines)

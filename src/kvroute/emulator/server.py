@@ -125,6 +125,9 @@ class EmulatorSettings:
     - ``flavor``: ``"vllm"`` or ``"sglang"`` (module docstring).
     - ``kv_transfer``: the P/D role (None: no KV connector, ``kv_transfer_params`` ignored as vLLM
       does without one); ``kv_bytes_per_token``: KV bytes per token per rank, for the transfer time.
+    - ``metrics_name_filter``: honour ``/metrics?name[]=`` (prometheus_client's filter). Off by
+      default, as vLLM 0.32: its ``/metrics`` route comes from the instrumentator, registered before
+      the app that filters, so every scrape renders the whole page.
     """
 
     model_name: str = "kvroute-emulated"
@@ -136,6 +139,7 @@ class EmulatorSettings:
     flavor: str = "vllm"
     kv_transfer: KVTransferSettings | None = None
     kv_bytes_per_token: float = 0.0
+    metrics_name_filter: bool = False
 
 
 FULL_ATTENTION = "full_attention"
@@ -289,7 +293,7 @@ class EmulatorServer:
         return web.json_response({"version": kvroute.__version__, "server": "kvroute-emulator"})
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
-        names = request.query.getall("name[]", [])
+        names = request.query.getall("name[]", []) if self.settings.metrics_name_filter else ()
         return web.Response(body=self.metrics.render(names), headers={"Content-Type": CONTENT_TYPE})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:

@@ -11,8 +11,9 @@ Load as :mod:`kvroute.integrations.ray_serve` sees one replica, in the live rout
   the waiting count first, then the running count, and its prefill off the queued prefill
   (clamped at 0).
 
-**Where prefill ends.** A request's prefill ends at its first token, long before it completes (here
-about 55 ms of a 250 ms request); the live router sees the first byte and moves the request from
+**Where prefill ends.** A request's prefill ends at its first token, long before it completes (on
+the Ray example's emulated engine about 53 ms of a 266 ms request, docs/results/ray-serve.md); the
+live router sees the first byte and moves the request from
 waiting to running. A Ray router sees only dispatch and completion, so without more it would count
 every request routed since the snapshot as waiting with its whole prefill queued until it completes,
 and take a request that completed since the snapshot off the waiting count and the queued prefill
@@ -20,9 +21,11 @@ although the snapshot most likely counted it as running: both inflate the load o
 served the latest turns, which is the replica holding their conversations. A replica that reports
 ``ttft_p50_s`` (its engine's median time from a request's arrival to its first token over recent
 requests, seconds; the median, as a few requests queued behind a burst would skew a mean) lets the
-view place the end of each prefill at *reserved at* + ``ttft_p50_s``: a request routed since the
-snapshot and older than that counts as running with no prefill left; a completed request whose
-prefill ended by the snapshot comes off the running count only. Without the key, the rules above.
+view place the end of each prefill at *reserved at* + ``ttft_p50_s`` × its chunks (its new prefill
+tokens over the replica's ``max_num_batched_tokens``, at least 1; 1 without the budget: the median
+request is taken as one chunk): a request routed since the snapshot and older than that counts as
+running with no prefill left; a completed request whose prefill ended by the snapshot comes off the
+running count only. Without the key, the rules above.
 
 Without a report every in-flight request counts as waiting with its new prefill queued, until it
 completes. A reservation is made when the core decides (so the next decision sees it at once),
@@ -171,10 +174,14 @@ def instance_view(
             late_prefilling, late_running = [p for _, p in late], 0
             gone_prefilling, gone_running = [p for _, p in gone], 0
         else:
-            after = -float("inf") if now is None else now - ttft  # reserved after: still prefilling
-            late_prefilling = [p for t, p in late if t > after]
+            budget = _int(stats, "max_num_batched_tokens")
+
+            def ends(t: float, p: int) -> float:  # estimated end of the prefill of (reserved at, p)
+                return t + ttft * (max(1, -(-p // budget)) if budget else 1)
+
+            late_prefilling = [p for t, p in late if now is None or ends(t, p) > now]
             late_running = len(late) - len(late_prefilling)
-            gone_prefilling = [p for t, p in gone if t + ttft > since]
+            gone_prefilling = [p for t, p in gone if ends(t, p) > since]
             gone_running = len(gone) - len(gone_prefilling)
         running = _int(stats, "running") + late_running
         waiting = _int(stats, "waiting") + len(late_prefilling)

@@ -44,6 +44,7 @@ from kvroute.server.sync.fleet import STATIC, Changes, Fleet
 from kvroute.server.sync.journal import AdminJournal
 from kvroute.server.sync.monitor import Monitor
 from kvroute.server.sync.peers import PeerCollector, PeerLink, PeerSettings
+from kvroute.server.sync.scrape import Scraper, ScrapeSchedule
 from kvroute.server.wire.h1 import H1Transport
 from kvroute.server.wire.http import error_response
 from kvroute.server.wire.httperrors import JsonErrorRunner, RateLimitedLog, json_errors
@@ -114,6 +115,11 @@ class RouterServer:
         recording = TrafficRecording(config.record, config.block_size) if config.record else None
         self.proxy = Proxy(self.state, self.transport, self.observer, recording)
         self.monitor = Monitor(self.state, self.transport)
+        self.scraper = Scraper(
+            self.state,
+            self.monitor,
+            ScrapeSchedule.of(self.config.scrape_interval_s, self.config.scrape_idle_interval_s),
+        )
         self.background = background
         self.subscribers: list[EventSubscriber] = []  # live KV event subscribers (the fleet's)
         self.fleet = Fleet(self.state, self.monitor, self.subscribers)
@@ -202,7 +208,7 @@ class RouterServer:
         if self.peers is not None:
             self._tasks.extend(self.peers.start())
         self._tasks.append(asyncio.create_task(self.monitor.health_loop()))
-        self._tasks.append(asyncio.create_task(self.monitor.scrape_loop()))
+        self._tasks.append(asyncio.create_task(self.scraper.run()))
         self._tasks.append(asyncio.create_task(self.monitor.models_loop()))
         self._tasks.append(asyncio.create_task(self.fleet.reap_loop()))
         self._tasks.extend(asyncio.create_task(w) for w in self.discovery.watchers())

@@ -17,7 +17,7 @@ The command-line flags and the YAML file that build it are read by :mod:`kvroute
     tokenize: exact                           # or defer: see RouterConfig.tokenize
     block_size: 16
     max_body_bytes: 33554432
-    scrape_interval_s: 0.05
+    scrape_interval_s: 0.05                   # while load moves; up to scrape_idle_interval_s (1.0) idle
     health_interval_s: 1.0
     drain_grace_s: 2.0                        # SIGTERM: /health 503 at once, new requests refused after
     drain_timeout_s: 30.0                     # in-flight requests awaited this long, then ended
@@ -95,6 +95,8 @@ class RouterConfig:
     - ``eject_after``: consecutive failed health checks before a backend is ejected (a connection error
       on a request ejects at once); ``readmit_after``: consecutive good checks to re-admit it.
     - ``scrape_stale_s``: scraped engine metrics older than this are ignored in the load view.
+    - ``scrape_interval_s``, ``scrape_idle_interval_s``: the scrape interval while the load moves, and
+      the longest one while it does not (:mod:`kvroute.server.sync.scrape`; one scraper per machine).
     - ``approx_capacity_blocks``: per-backend capacity of the approximate KV view (0 → use the
       engine's pool size when known, else 16384 blocks); ``approx_ttl_s``: entries older than this
       are dropped.
@@ -152,6 +154,7 @@ class RouterConfig:
     block_size: int = 16
     max_body_bytes: int = 32 * 1024 * 1024
     scrape_interval_s: float = 0.05
+    scrape_idle_interval_s: float = 1.0
     scrape_stale_s: float = 1.0
     health_interval_s: float = 1.0
     health_timeout_s: float = 1.0
@@ -225,6 +228,7 @@ class RouterConfig:
             ("block_size", self.block_size >= 1),
             ("max_body_bytes", self.max_body_bytes >= 1024),
             ("scrape_interval_s", self.scrape_interval_s > 0),
+            ("scrape_idle_interval_s", self.scrape_idle_interval_s > 0),
             ("health_interval_s", self.health_interval_s > 0),
             ("health_timeout_s", self.health_timeout_s > 0),
             ("eject_after", self.eject_after >= 1),

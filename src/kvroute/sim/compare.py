@@ -23,7 +23,9 @@ from types import TracebackType
 from typing import Any
 
 from kvroute.errors import UserError
+from kvroute.policies.registry import PEER_LMETRICS
 from kvroute.routing.queue import QueueConfig
+from kvroute.sim.bound import bound_summary
 from kvroute.sim.capacity import Capacity, CapacityRule, CapacitySearch, Slo
 from kvroute.sim.runner import RunSpec, run_spec
 
@@ -139,6 +141,13 @@ class SpecRunner:
                     i = pending.pop(fut)
                     results[i] = self._done(specs[i], fut.result())
         return [r for r in results if r is not None]
+
+    def map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+        """``[fn(x) for x in items]`` in the worker processes (``fn`` and the items picklable)."""
+        pool = self._pool
+        if pool is None or len(items) <= 1:
+            return [fn(x) for x in items]
+        return list(pool.map(fn, items))
 
     def _done(self, spec: RunSpec, out: Summary) -> Summary:
         if self.on_done is not None:
@@ -285,9 +294,18 @@ def find_saturation(rule: SaturationRule, measure: Callable[[float], Summary]) -
 
 # ----------------------------------------------------------------------------------------- paper preset
 
-PAPER_POLICIES: tuple[str, ...] = ("vllm", "llm-d", "lmetric", "lmetric-kv", "sglang", "dynamo")
+PAPER_POLICIES: tuple[str, ...] = (
+    "vllm",
+    "llm-d",
+    "lmetric",
+    "lmetric-kv",
+    "sglang",
+    "dynamo",
+    *PEER_LMETRICS,
+)
 """The paper preset's fixed policies (registry names; the first is the reference whose saturation sets
-the rates). To evaluate a new policy in the preset, add its name here (or pass ``--policies``)."""
+the rates), the peers' own LMetric variants last. To evaluate a new policy in the preset, add its name
+here (or pass ``--policies``)."""
 
 NO_PREFIX_CACHING = " (prefix caching off)"
 """Suffix of an *arm* (a policy name in a preset's list) whose engines run without prefix caching."""
@@ -393,6 +411,7 @@ class PaperPlan:
     slo_tpot_ms: float | None = None
     capacity_refine: int = 3
     capacity_seeds: tuple[int, ...] = (0,)
+    bound: bool = True  # the bound (kvroute.sim.bound): mean TTFT at the default load, capacity
     staleness_workload: str | None = "chatbot"
     scrape_intervals: tuple[float, ...] = (0.0, 0.05, 0.2, 1.0)
     event_delays: tuple[float, ...] = (0.002, 0.1, 1.0)
@@ -534,8 +553,21 @@ def run_capacity(
             searches[k].record(r, out)
 
 
+def _serial(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+    return [fn(x) for x in items]
+
+
+def _bound_task(task: tuple[PaperWorkload, PaperPlan, float, tuple[float, float] | None, float]) -> Any:
+    """One workload's bound (worker process): see :func:`kvroute.sim.bound.bound_summary`."""
+    w, plan, default_rate, slo, start = task
+    return bound_summary(lambda r: w.spec(plan, plan.reference, r), [default_rate], slo, start)
+
+
 def run_paper(
-    plan: PaperPlan, runner: BatchRunner, note: Callable[[str], None] = lambda _: None
+    plan: PaperPlan,
+    runner: BatchRunner,
+    note: Callable[[str], None] = lambda _: None,
+    mapper: Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]] | None = None,
 ) -> dict[str, Any]:
     """Run the preset with ``runner`` (a batch of specs → summaries); returns a JSON-able dict:
     ``{"plan", "workloads": [{"name", "duration", "saturation", "rates", "default_rate",
@@ -640,6 +672,29 @@ def run_paper(
                 )
             )
 
+    # 5. The bound: what no router beats on each workload (kvroute.sim.bound), seed 0; its capacity
+    # search starts at the best capacity a policy reached (a true bound is at least that).
+    bounds: dict[str, dict[str, Any] | None] = {w.name: None for w in plan.workloads}
+    if plan.bound:
+        tasks = []
+        for w in plan.workloads:
+            slo = (slos[w.name].ttft_p99_ms, slos[w.name].tpot_p99_ms) if plan.capacity else None
+            reached = [c.rate for (n, _, _), c in caps.items() if n == w.name and c.rate is not None]
+            tasks.append((w, plan, default[w.name], slo, max(reached, default=w.light_rate)))
+        for w, b in zip(plan.workloads, (mapper or _serial)(_bound_task, tasks), strict=True):
+            bounds[w.name] = b
+            cap = b.get("capacity")
+            note(
+                f"{w.name}: bound: mean TTFT ≥ {b['rates'][0]['ttft_mean_ms']:.1f} ms at the default load"
+                + (
+                    ""
+                    if not plan.capacity
+                    else f", capacity ≤ ×{cap:.3g}"
+                    if cap is not None
+                    else ", no capacity"
+                )
+            )
+
     workloads = []
     for w in plan.workloads:
         specs = grid(w, plan.policies, rates[w.name]) + grid(w, lambdas, [default[w.name]])
@@ -668,6 +723,7 @@ def run_paper(
                 ],
                 "runs": memo.run(specs),
                 "seed_runs": memo.run(seeded(w, shown(w))),
+                "bound": bounds[w.name],
             }
         )
     staleness = None

@@ -113,7 +113,7 @@ class RouterCollector(Collector):
             "it was dropped)",
             labels=["backend"],
         )
-        for b in core.backends:
+        for b in core.live_backends():
             shortfalls.add_metric([b.url], core.kv.shortfalls.get(b.index, 0))
         yield batches
         yield gaps

@@ -178,7 +178,6 @@ class BackendState:
         "healthy",
         "index",
         "requests_total",
-        "scraped",
         "slot",
         "state",
         "successes",
@@ -192,11 +191,35 @@ class BackendState:
         self.table = table if table is not None else LoadTable.local()
         self.slot = self.table.slot(url)
         self.requests_total = 0
-        self.scraped: ScrapedMetrics | None = None
         self.healthy = healthy
         self.state = ACTIVE
         self.failures = 0  # consecutive failed health checks
         self.successes = 0  # consecutive good health checks while ejected
+
+    @property
+    def scraped(self) -> ScrapedMetrics | None:
+        """The engine's last scrape, from the load table: the machine's one scraper wrote it, maybe
+        in another worker (:mod:`kvroute.server.sync.scrape`). None: not scraped yet."""
+        got = self.table.scraped(self.slot)
+        if got is None:
+            return None
+        at, running, waiting, usage, blocks, block_size = got
+        return ScrapedMetrics(running, waiting, usage, at, blocks, block_size)
+
+    @scraped.setter
+    def scraped(self, value: ScrapedMetrics | None) -> None:
+        if value is None:
+            self.table.clear_scraped(self.slot)
+        else:
+            self.table.put_scraped(
+                self.slot,
+                value.at,
+                value.running,
+                value.waiting,
+                value.kv_usage,
+                value.num_kv_blocks,
+                value.block_size,
+            )
 
     # This process's own counters (what its leases hold; back to zero when its traffic stops).
     @property

@@ -96,7 +96,9 @@ class RouterState:
         # The routing core decides (kvroute.routing); this class gathers the views and the request.
         self.routing = RoutingCore(with_features(policy, config.features), self.kv)
         self.counters = RouterCounters()
-        self.chains = ChainMemo(config.block_size, config.tokenizer_cache_entries, config.tokenizer_cache_tokens)
+        self.chains = ChainMemo(
+            config.block_size, config.tokenizer_cache_entries, config.tokenizer_cache_tokens
+        )
         self.guard = self.routing.guard  # production features' state, when any is on
         # shadow policies over the same KV view (read-only there), each with its own state
         self.shadows = Shadows(config.shadow, self.kv) if config.shadow else None

@@ -171,7 +171,9 @@ class _JsonRequestHandler(RequestHandler):
     ) -> web.StreamResponse:
         detail = message or (str(exc) if exc is not None else "") or HTTPStatus(status).phrase
         detail = " ".join(detail.split())[:200]  # one line, bounded: it may echo the client's bytes
-        if status >= 500 and exc is not None:
+        if isinstance(exc, ConnectionError):  # the client went away mid-answer: not an error of ours
+            self.limiter.emit("gone", f"client {request.remote} went away: {detail}", logging.DEBUG)
+        elif status >= 500 and exc is not None:
             self.limiter.emit(
                 f"{status}:{type(exc).__name__}",
                 f"internal error handling a request from {request.remote}: {type(exc).__name__}: {detail}",
@@ -196,6 +198,9 @@ class _JsonRequestHandler(RequestHandler):
             msg = fmt % args[1:]
         except (TypeError, ValueError):
             msg = fmt
+        if isinstance(exc, ConnectionError):  # a broken connection (the client left): one debug line
+            self.limiter.emit("gone", f"aiohttp: {msg}: {exc}", logging.DEBUG)
+            return
         self.limiter.emit(f"aiohttp:{fmt}", f"aiohttp: {msg}", logging.ERROR, exc)
 
 

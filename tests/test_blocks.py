@@ -7,7 +7,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.blocks import ROOT_HASH, BlockHasher, _position_keys, extend_hashes, hash_blocks
+from kvroute.blocks import (
+    ROOT_HASH,
+    BlockHasher,
+    _position_keys,
+    event_key,
+    extend_hashes,
+    extra_key,
+    hash_blocks,
+    split_key,
+)
 
 M64 = (1 << 64) - 1
 
@@ -164,3 +173,36 @@ def test_long_chains_beyond_the_power_table(n: int) -> None:
     for start in range(0, n, 300):
         pieces += hash_blocks(tokens[start : start + 300], 1, parent=pieces[-1] if pieces else None)
     assert whole == pieces and len(whole) == n
+
+
+def test_cache_salt_enters_the_first_block_only_as_in_vllm() -> None:
+    """vLLM hashes ``cache_salt`` into a prompt's first block (``start_token_idx == 0``); the chain
+    carries it into every later block. The adapter stays in every block."""
+    tokens = list(range(64))
+    salted = hash_blocks(tokens, 16, extra_key(None, "tenant-a"))
+    plain = hash_blocks(tokens, 16)
+    assert set(salted).isdisjoint(plain)
+    assert set(salted).isdisjoint(hash_blocks(tokens, 16, extra_key(None, "tenant-b")))
+    assert salted[1:] == hash_blocks(tokens[16:], 16, None, parent=salted[0])  # later blocks: no salt
+    assert salted[0] == hash_blocks(tokens[:16], 16, extra_key(None, "tenant-a"))[0]
+    lora = hash_blocks(tokens, 16, extra_key("sql", "tenant-a"))
+    assert lora[1:] == hash_blocks(tokens[16:], 16, extra_key("sql"), parent=lora[0])
+    assert set(lora).isdisjoint(hash_blocks(tokens, 16, extra_key("sql")))
+    # after a parent the salt is ignored: a continuation hashes the same with or without it
+    assert hash_blocks(tokens, 16, extra_key(None, "x"), parent=5) == hash_blocks(tokens, 16, parent=5)
+    hasher = BlockHasher(16, extra_key(None, "tenant-a"))
+    hasher.extend(tokens[:20])
+    hasher.extend(tokens[20:])
+    assert hasher.hashes == salted
+    assert split_key(extra_key(None, "s")) == (extra_key(None, "s"), None)
+    assert split_key("plain") == ("plain", "plain")
+
+
+def test_event_key_reads_vllm_extra_keys() -> None:
+    assert event_key(None, None) is None and event_key(None, ()) is None
+    assert event_key("sql", ("sql",)) == extra_key("sql")
+    assert event_key(None, ("salt",)) == extra_key(None, "salt")
+    assert event_key("sql", ("sql", "salt")) == extra_key("sql", "salt")
+    mm = event_key(None, (("img-hash", 0),))
+    assert mm not in (None, extra_key(None, "img-hash")) and mm == event_key(None, (("img-hash", 0),))
+    assert event_key(None, (("img-hash", 4),)) != mm

@@ -45,7 +45,9 @@ def test_formats_differ_on_the_wire():
     arr = msgspec.msgpack.decode(encode_batch(1.0, EVENTS[:1], fmt="array"))
     mp = msgspec.msgpack.decode(encode_batch(1.0, EVENTS[:1], fmt="map"))
     assert arr[0] == 1.0 and arr[2] == 0
-    assert arr[1][0] == ["BlockStored", [1, 2**64 - 1], None, list(range(32)), 16, None, "GPU", None]
+    # positional: every field is sent, vLLM 0.32's trailing extra_keys, group_idx, kv_cache_spec_kind too
+    head = ["BlockStored", [1, 2**64 - 1], None, list(range(32)), 16, None, "GPU", None]
+    assert arr[1][0] == [*head, None, None, None]
     assert mp[1][0] == {
         "type": "BlockStored",
         "block_hashes": [1, 2**64 - 1],
@@ -154,7 +156,16 @@ def test_vllm_map_layout_with_extra_fields_and_bytes_hashes():
     ts, events, rank = decode_batch(msgspec.msgpack.encode(batch))
     assert (ts, rank) == (10.0, 1)
     assert events == [
-        BlockStored((int.from_bytes(digest, "big"),), None, (5,) * 16, 16, lora_id=3, lora_name="adapter"),
+        BlockStored(
+            (int.from_bytes(digest, "big"),),
+            None,
+            (5,) * 16,
+            16,
+            lora_id=3,
+            lora_name="adapter",
+            extra_keys=(("salt",),),
+            group_idx=0,
+        ),
         BlockRemoved((7,)),
     ]
 
@@ -224,3 +235,47 @@ def test_sequence_frames():
     assert decode_seq(END_SEQ) == -1
     with pytest.raises(KVEventDecodeError):
         decode_seq(b"\x01")
+
+
+def test_extra_keys_group_and_spec_kind_round_trip_and_decode_from_vllm_layouts():
+    """vLLM 0.32's trailing BlockStored fields: ``extra_keys`` (one entry per block; a salt in the
+    first block, a multimodal ``(hash, offset)`` pair), ``group_idx``, ``kv_cache_spec_kind``."""
+    ev = BlockStored(
+        (11, 12),
+        None,
+        tuple(range(32)),
+        16,
+        extra_keys=(("salt-a",), (("img", 3),)),
+        group_idx=0,
+        kv_cache_spec_kind="full_attention",
+    )
+    for fmt in ("array", "map"):
+        _, events, _ = decode_batch(encode_batch(2.0, [ev], fmt=fmt))
+        assert events == [ev]
+    plain = ["BlockStored", [1, 2], None, list(range(32)), 16, None, "GPU", None, [None, None], 0]
+    _, events, _ = decode_batch(msgspec.msgpack.encode([1.0, [plain], 0]))
+    assert events[0].extra_keys == (None, None) and events[0].group_idx == 0
+    mapped = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": list(range(16)),
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": [["s"]],
+        "group_idx": 1,
+        "kv_cache_spec_kind": "x",
+        "kv_cache_spec_sliding_window": None,
+        "locality": "LOCAL",
+    }
+    _, events, _ = decode_batch(msgspec.msgpack.encode([1.0, [mapped], 0]))
+    assert events[0] == BlockStored(
+        (1,), None, tuple(range(16)), 16, extra_keys=(("s",),), group_idx=1, kv_cache_spec_kind="x"
+    )
+    for bad in ([["s"], None], "s", [3]):  # wrong length, not an array, an entry that is no array
+        with pytest.raises(KVEventDecodeError):
+            decode_batch(msgspec.msgpack.encode([1.0, [{**mapped, "extra_keys": bad}], 0]))
+    with pytest.raises(KVEventDecodeError):
+        decode_batch(msgspec.msgpack.encode([1.0, [{**mapped, "group_idx": "0"}], 0]))

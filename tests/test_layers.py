@@ -127,7 +127,7 @@ SERVER_ALLOWED: dict[str, set[str]] = {
     "stages": {"observe", "state", "wire", "config"},
     "pipeline": {"stages", "observe", "state", "wire", "config"},
     "app": {"pipeline", "stages", "observe", "sync", "state", "wire", "config"},
-    "pd": {"observe", "state", "wire", "config"},
+    "pd": {"observe", "sync", "state", "wire", "config"},
     "cluster": {"config"},
     "run": {"app", "sync", "state", "wire", "config"},
     "workers": {"run", "app", "sync", "state", "wire", "config"},

@@ -18,8 +18,14 @@ system prompt is one of ``--system-prompts`` shared prompts (about 300 tokens), 
 
 TTFT is measured by the client: from the handle call to the first streamed item (so it includes the
 routing decision and Ray's transport). KV hit rate = prompt tokens served from cache (the engine's
-``cached_tokens``) / all prompt tokens. ``--json FILE`` writes
-``{"routers": {NAME: {"requests", "kv_hit_rate", "ttft_ms": {"mean", "p99"}, "per_replica"}}, ...}``.
+``cached_tokens``) / all prompt tokens. ``--repeat N`` replays the workload N times per router,
+interleaved (round k runs every router once, the order rotated by k, each on a fresh app), and
+prints each run and the mean over the runs. ``--record FILE`` writes the first router's first run as
+a ``kvroute`` trace (arrival times as replayed, the router's block chains), so that
+``kvroute sim --trace FILE --instances 2 --kv-tokens 16384`` replays the same traffic under every
+policy of the registry with exact views. ``--json FILE`` writes
+``{"routers": {NAME: {"requests", "kv_hit_rate", "ttft_ms": {"mean", "p99"}, "per_replica"}}, "runs": [...], ...}``
+(``routers``: the means over the runs; ``runs``: one such mapping per round).
 
 Run: ``PYTHONPATH=src python examples/ray_serve/app.py --replicas 2`` (after ``pip install -e '.[ray]'``:
 ``python examples/ray_serve/app.py``). About two minutes on 2 cores.
@@ -76,6 +82,7 @@ class Turn:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     replica: str = ""
+    messages: list[dict[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -122,7 +129,7 @@ async def run_chat(handle: Any, chat: Chat, max_tokens: int, t0: float) -> None:
     msgs = [{"role": "system", "content": chat.system}]
     for user, think in zip(chat.users, chat.thinks, strict=True):
         msgs.append({"role": "user", "content": user})
-        turn = Turn(chat.index, time.perf_counter() - t0)
+        turn = Turn(chat.index, time.perf_counter() - t0, messages=list(msgs))
         start = time.perf_counter()
         last: dict[str, Any] = {}
         async for item in handle.options(stream=True).remote(ChatBody(list(msgs), max_tokens)):
@@ -163,7 +170,7 @@ def router_classes() -> tuple[dict[str, Any], str | None]:
         return out, f"ray-prefix skipped: Ray Serve LLM's router does not import here ({exc})"
 
 
-def deploy(args: argparse.Namespace, name: str, router: Any) -> Any:
+def deploy(args: argparse.Namespace, app: str, router: Any) -> Any:
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -181,7 +188,7 @@ def deploy(args: argparse.Namespace, name: str, router: Any) -> Any:
         request_router_config=cfg,
     )
     # One app per router: a process keeps a deployment's handle router across redeploys of one name.
-    return serve.run(dep.bind(kv_blocks=args.kv_blocks), name=f"example-{name}", route_prefix=None)
+    return serve.run(dep.bind(kv_blocks=args.kv_blocks), name=app, route_prefix=None)
 
 
 def summarize(chats: list[Chat], wall_s: float) -> dict[str, Any]:
@@ -200,6 +207,57 @@ def summarize(chats: list[Chat], wall_s: float) -> dict[str, Any]:
     }
 
 
+def record(chats: list[Chat], path: str, max_tokens: int) -> int:
+    """Write the turns of ``chats`` (their arrival times as replayed, their prompts as the router's
+    block chains) as a ``kvroute`` trace that ``kvroute sim --trace`` replays; returns the count."""
+    from kvroute.integrations.prompts import PromptChains
+    from kvroute.prepare.tokenize import RequestTokenizer
+    from kvroute.tokenizer import load_tokenizer
+    from kvroute.workloads.record import RecordedRequest, TraceRecorder
+
+    chains = PromptChains(RequestTokenizer(load_tokenizer()), 16)
+    turns = sorted((t for c in chats for t in c.turns), key=lambda t: t.at)
+    with open(path, "wb") as f:
+        rec = TraceRecorder(f, 16, clock=lambda: 0.0, started_unix=time.time())
+        for t in turns:
+            req = chains.route_request({"messages": t.messages, "max_tokens": max_tokens})
+            ticket, at = rec.begin(t.at)
+            session = str(t.conversation)
+            rec.finish(
+                ticket, RecordedRequest(at, req.prompt_tokens, max_tokens, req.chain, "emulated", session)
+            )
+        rec.close()
+    return len(turns)
+
+
+def mean_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The mean of one router's run summaries (requests, KV hit rate, TTFT mean and p99, wall)."""
+    n = len(runs)
+    return {
+        "runs": n,
+        "requests": sum(r["requests"] for r in runs) / n,
+        "kv_hit_rate": sum(r["kv_hit_rate"] for r in runs) / n,
+        "ttft_ms": {k: sum(r["ttft_ms"][k] for r in runs) / n for k in ("mean", "p99")},
+        "per_replica": [r["per_replica"] for r in runs],
+        "wall_seconds": sum(r["wall_seconds"] for r in runs) / n,
+    }
+
+
+def table(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    out = [
+        "| run | router | requests | TTFT mean (ms) | TTFT p99 (ms) | KV hit rate | requests per replica |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for run, (name, r) in rows:
+        per = r["per_replica"]
+        counts = " / ".join(str(n) for n in per) if per and isinstance(per[0], int) else "-"
+        out.append(
+            f"| {run} | {name} | {r['requests']:g} | {r['ttft_ms']['mean']:.1f} | {r['ttft_ms']['p99']:.1f} "
+            f"| {r['kv_hit_rate']:.3f} | {counts} |"
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, default=2)
@@ -213,10 +271,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray")
     p.add_argument("--routers", default=None, help="comma-separated subset of kvroute,ray-default,ray-prefix")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=1, help="runs per router, interleaved")
+    p.add_argument(
+        "--record",
+        default=None,
+        metavar="FILE",
+        help="write the first run's traffic of the first router as a kvroute trace (for kvroute sim --trace)",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
-    if args.replicas < 1 or args.conversations < 1 or args.turns < 1 or args.rate <= 0:
-        print("error: --replicas, --conversations, --turns and --rate must be positive", file=sys.stderr)
+    settings = {k: v for k, v in vars(args).items() if k not in ("json", "record")}
+    if args.replicas < 1 or args.conversations < 1 or args.turns < 1 or args.rate <= 0 or args.repeat < 1:
+        print(
+            "error: --replicas, --conversations, --turns, --rate and --repeat must be positive",
+            file=sys.stderr,
+        )
         return 2
     try:
         import ray
@@ -240,41 +309,46 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(
         num_cpus=args.num_cpus, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False
     )
-    results: dict[str, Any] = {}
+    runs: list[dict[str, Any]] = []
     try:
-        for name in names:
-            handle = deploy(args, name, classes[name])
-            chats = workload(args)
-            warm = Chat(-1, 0.0, "warm-up", ["warm-up"], [0.0])  # Ray builds the router on first use
-            asyncio.run(run_chat(handle, warm, 1, time.perf_counter()))
-            used = type(handle._router._asyncio_router.request_router).__name__  # private: a check only
-            print(f"{name}: routing with {used}", flush=True)
+        for k in range(args.repeat):
+            order = names[k % len(names) :] + names[: k % len(names)]  # rotate: no router always first
+            results: dict[str, Any] = {}
+            for name in order:
+                app = f"example-{name}-{k}"  # one app per router and run (see deploy)
+                handle = deploy(args, app, classes[name])
+                chats = workload(args)
+                warm = Chat(-1, 0.0, "warm-up", ["warm-up"], [0.0])  # Ray builds the router on first use
+                asyncio.run(run_chat(handle, warm, 1, time.perf_counter()))
+                used = type(handle._router._asyncio_router.request_router).__name__  # private: a check only
+                print(f"run {k + 1}, {name}: routing with {used}", flush=True)
 
-            async def replay(h: Any = handle, cs: list[Chat] = chats) -> None:
+                async def replay(h: Any = handle, cs: list[Chat] = chats) -> None:
+                    t0 = time.perf_counter()
+                    await asyncio.gather(*(run_chat(h, c, args.max_tokens, t0) for c in cs))
+
                 t0 = time.perf_counter()
-                await asyncio.gather(*(run_chat(h, c, args.max_tokens, t0) for c in cs))
-
-            t0 = time.perf_counter()
-            asyncio.run(replay())
-            results[name] = summarize(chats, time.perf_counter() - t0)
-            print(f"{name}: done in {results[name]['wall_seconds']:.1f} s", flush=True)
-            serve.delete(f"example-{name}")
+                asyncio.run(replay())
+                results[name] = summarize(chats, time.perf_counter() - t0)
+                if args.record and k == 0 and name == names[0]:
+                    print(f"recorded {record(chats, args.record, args.max_tokens)} requests to {args.record}")
+                print(f"run {k + 1}, {name}: done in {results[name]['wall_seconds']:.1f} s", flush=True)
+                serve.delete(app)
+            runs.append({n: results[n] for n in names})
     finally:
         serve.shutdown()
         ray.shutdown()
+    means = {n: mean_summary([r[n] for r in runs]) for n in names}
+    rows = [(str(k + 1), (n, r[n])) for k, r in enumerate(runs) for n in names]
+    if args.repeat > 1:
+        rows += [("mean", (n, means[n])) for n in names]
     print()
-    print("| router | requests | TTFT mean (ms) | TTFT p99 (ms) | KV hit rate | requests per replica |")
-    print("|---|---:|---:|---:|---:|---|")
-    for name, r in results.items():
-        counts = " / ".join(str(n) for n in r["per_replica"])
-        print(
-            f"| {name} | {r['requests']} | {r['ttft_ms']['mean']:.1f} | {r['ttft_ms']['p99']:.1f} "
-            f"| {r['kv_hit_rate']:.3f} | {counts} |"
-        )
+    print("\n".join(table(rows)))
     if args.json:
         doc = {
-            "routers": results,
-            "settings": {k: v for k, v in vars(args).items() if k != "json"},
+            "routers": means if args.repeat > 1 else runs[0],
+            "runs": runs,
+            "settings": settings,
             "machine": {
                 "cpus": args.num_cpus,
                 "platform": platform.platform(),

@@ -43,9 +43,11 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "ROOT_HASH",
     "BlockHasher",
+    "event_key",
     "extend_hashes",
     "extra_key",
     "hash_blocks",
+    "split_key",
 ]
 
 DEFAULT_BLOCK_SIZE = 16
@@ -76,19 +78,60 @@ _NP_MASK63 = _U64(_MASK63)
 TokenIds = Sequence[int] | npt.NDArray[np.integer]
 
 
+_LORA_TAG = b"\x00lora\x00"
+_SALT_TAG = b"\x00salt\x00"
+_OPAQUE_TAG = b"\x00xk\x00"
+
+
 def extra_key(lora_name: str | None = None, cache_salt: str | None = None) -> str | bytes | None:
     """The extra key of a request's blocks: its LoRA adapter (as vLLM hashes ``lora_name`` into every
     block's extra keys, so the same tokens under two adapters, or under an adapter and the base model,
-    are different cache entries) and its ``cache_salt``. Without an adapter it is the salt itself (or
-    None); with one, a byte string tagged with NUL characters (which no salt without one can equal). A ``BlockStored`` event
-    carrying ``lora_name`` is re-hashed with ``extra_key(lora_name)``, the key of an unsalted request
-    for that adapter."""
+    are different cache entries) and its ``cache_salt``: None without either, else a byte string whose
+    parts are tagged with NUL characters (``\\x00lora\\x00NAME``, then ``\\x00salt\\x00SALT``).
+
+    **The salt enters the first block of a prompt only**, as in vLLM (``generate_block_hash_extra_keys``
+    adds ``cache_salt`` when ``start_token_idx == 0``): :func:`hash_blocks` hashes the root block (no
+    ``parent``) with the whole key and every later block with the adapter's key alone
+    (:func:`split_key`); the chain carries the salt into every later hash. So a salted prompt shares
+    no block with the same text unsalted or under another salt, and a continuation hashed after a
+    ``parent`` needs no salt (vLLM's later ``BlockStored`` events carry none)."""
     if lora_name is None:
-        return cache_salt
-    key = b"\x00lora\x00" + lora_name.encode("utf-8")
+        return None if cache_salt is None else _SALT_TAG + cache_salt.encode("utf-8")
+    key = _LORA_TAG + lora_name.encode("utf-8")
     if cache_salt is not None:
-        key += b"\x00salt\x00" + cache_salt.encode("utf-8")
+        key += _SALT_TAG + cache_salt.encode("utf-8")
     return key
+
+
+def split_key(key: str | bytes | None) -> tuple[str | bytes | None, str | bytes | None]:
+    """``(key of a prompt's first block, key of every later block)`` for an extra key: a salt-only key
+    of :func:`extra_key` leaves later blocks without a key, an adapter key with a salt keeps the
+    adapter for later blocks, any other key (any ``str``, untagged bytes) applies to every block. Pure."""
+    if isinstance(key, bytes):
+        if key.startswith(_SALT_TAG):
+            return key, None
+        if key.startswith(_LORA_TAG):
+            cut = key.find(_SALT_TAG, len(_LORA_TAG))
+            return key, (key if cut < 0 else key[:cut])
+    return key, key
+
+
+def event_key(lora_name: str | None, block_extra: Sequence[object] | None) -> str | bytes | None:
+    """The router's extra key for one block of a ``BlockStored`` event: ``lora_name`` and that block's
+    ``extra_keys`` entry (vLLM: ``lora name + multimodal hashes + cache_salt (first block only) +
+    prompt-embedding hashes``). Adapter only (or nothing) → ``extra_key(lora_name)``; adapter and one
+    string (a salt; only a root block has one) → ``extra_key(lora_name, salt)``, the key the router
+    gives a salted request; anything else (multimodal or embedding hashes, which the router's text
+    requests never carry) → an opaque per-block key, so those blocks and their descendants are
+    recorded but never match a request. Pure."""
+    rest = list(block_extra or ())
+    if lora_name is not None and rest and rest[0] == lora_name:
+        rest = rest[1:]
+    if not rest:
+        return extra_key(lora_name)
+    if len(rest) == 1 and isinstance(rest[0], str):
+        return extra_key(lora_name, rest[0])
+    return _OPAQUE_TAG + repr((lora_name, rest)).encode("utf-8")
 
 
 def _position_keys(block_size: int, extra_key: str | bytes | None) -> npt.NDArray[np.uint64]:
@@ -187,8 +230,8 @@ def hash_blocks(
     """Chained hashes of the full blocks of ``token_ids``: one int in [0, 2**63) per full block.
 
     ``len(result) == len(token_ids) // block_size``; a partial tail block is ignored. ``extra_key``
-    (LoRA name, cache salt; ``str`` is UTF-8 encoded) enters every block, so different keys never
-    share blocks. ``parent`` is the hash of the block just before ``token_ids[0]`` (``None``: the
+    (LoRA name, cache salt; ``str`` is UTF-8 encoded; see :func:`extra_key`): the adapter enters every
+    block, a salt the root block only (``parent is None``), so different keys never share blocks. ``parent`` is the hash of the block just before ``token_ids[0]`` (``None``: the
     start of a prompt), so ``hash_blocks(a + b) == hash_blocks(a) + hash_blocks(b, parent=...[-1])``
     when ``len(a)`` is a multiple of ``block_size``. Token ids are ints (or a numpy integer array) in
     [0, 2**32); raises ValueError otherwise (the ignored tail is not inspected), or for
@@ -199,7 +242,14 @@ def hash_blocks(
     n_blocks = len(token_ids) // block_size
     if n_blocks == 0:
         return []
-    return _chain(token_ids, n_blocks, block_size, _position_keys(block_size, extra_key), root)
+    first, rest = split_key(extra_key)
+    if parent is not None or first == rest:
+        return _chain(token_ids, n_blocks, block_size, _position_keys(block_size, rest), root)
+    head = _chain(token_ids, 1, block_size, _position_keys(block_size, first), root)
+    if n_blocks == 1:
+        return head
+    tail = token_ids[block_size : n_blocks * block_size]
+    return head + _chain(tail, n_blocks - 1, block_size, _position_keys(block_size, rest), head[0])
 
 
 def extend_hashes(
@@ -228,13 +278,15 @@ class BlockHasher:
     Mutable and not thread-safe: one per conversation/request; ``copy()`` forks a prefix cheaply.
     """
 
-    __slots__ = ("_hashes", "_keys", "_tail", "block_size", "extra_key")
+    __slots__ = ("_first", "_hashes", "_keys", "_tail", "block_size", "extra_key")
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, extra_key: str | bytes | None = None) -> None:
         _check(block_size, None)
         self.block_size = block_size
         self.extra_key = extra_key
-        self._keys = _position_keys(block_size, extra_key)
+        first, rest = split_key(extra_key)
+        self._keys = _position_keys(block_size, rest)
+        self._first = None if first == rest else _position_keys(block_size, first)  # the root block's
         self._hashes: list[int] = []
         self._tail: list[int] = []
 
@@ -263,7 +315,11 @@ class BlockHasher:
             tokens = token_ids
         n_blocks = len(tokens) // bs
         parent = self._hashes[-1] if self._hashes else ROOT_HASH
-        new = _chain(tokens, n_blocks, bs, self._keys, parent)
+        if self._hashes or self._first is None or n_blocks == 0:
+            new = _chain(tokens, n_blocks, bs, self._keys, parent)
+        else:  # the root block carries the salt (see extra_key)
+            new = _chain(tokens, 1, bs, self._first, parent)
+            new += _chain(tokens[bs : n_blocks * bs], n_blocks - 1, bs, self._keys, new[0])
         tail = tokens[n_blocks * bs :]
         if len(tail):  # the tail is not hashed yet: validate it now, before mutating anything
             _as_u64_blocks(tail, 1, len(tail))
@@ -277,6 +333,7 @@ class BlockHasher:
         other.block_size = self.block_size
         other.extra_key = self.extra_key
         other._keys = self._keys
+        other._first = self._first
         other._hashes = list(self._hashes)
         other._tail = list(self._tail)
         return other

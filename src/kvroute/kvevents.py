@@ -15,7 +15,10 @@ Block hashes are ints (signed or unsigned 64-bit) or, with ``VLLM_KV_EVENTS_USE_
 digest bytes; :func:`decode_batch` maps bytes to ``int.from_bytes(b, "big")``. Events are decoded
 whatever their ``medium`` (GPU or an offload tier); unknown extra fields are ignored; an unknown event
 tag is a decode error. ``lora_id`` and ``lora_name`` (the LoRA adapter of the request that cached the
-blocks; vLLM hashes the name into the blocks' extra keys) are decoded into :class:`BlockStored`.
+blocks; vLLM hashes the name into the blocks' extra keys) are decoded into :class:`BlockStored`, and
+so are vLLM 0.32's trailing optional fields ``extra_keys`` (one entry per block: the keys hashed into
+it, a request's ``cache_salt`` in its first block, multimodal hashes), ``group_idx`` and
+``kv_cache_spec_kind``; later fields are ignored.
 
 **SGLang** (``sglang/srt/disaggregation/kv_events.py``, ``mem_cache``'s event mixin) publishes the
 same framing, replay protocol and event tags, with these differences, all decoded here: the batch is
@@ -84,6 +87,9 @@ class _ArrayBlockStored(_ArrayEvent, tag="BlockStored"):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[list[Any] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
 
 
 class _ArrayBlockRemoved(_ArrayEvent, tag="BlockRemoved"):
@@ -103,6 +109,9 @@ class _MapBlockStored(_MapEvent, tag="BlockStored"):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[list[Any] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
 
 
 class _MapBlockRemoved(_MapEvent, tag="BlockRemoved"):
@@ -181,6 +190,11 @@ def _to_wire(event: KVEvent, fmt: EventFormat) -> msgspec.Struct:
             lora_id=event.lora_id,
             medium=MEDIUM_GPU,
             lora_name=event.lora_name,
+            extra_keys=None
+            if event.extra_keys is None
+            else [None if k is None else list(k) for k in event.extra_keys],
+            group_idx=event.group_idx,
+            kv_cache_spec_kind=event.kv_cache_spec_kind,
         )
     if isinstance(event, BlockRemoved):
         removed = _ArrayBlockRemoved if arr else _MapBlockRemoved
@@ -227,7 +241,14 @@ def decode_seq(frame: bytes) -> int:
 # ---- decoding (generic msgpack → checked fields → engine dataclasses) --------------------------------
 
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size")
-_STORED_OPTIONAL = ("lora_id", "medium", "lora_name")  # positional order after the required ones
+_STORED_OPTIONAL = (  # positional order after the required ones
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+)
 _REMOVED_FIELDS = ("block_hashes",)
 _INT_ONLY = frozenset({int})
 
@@ -241,6 +262,8 @@ def decode_batch(payload: bytes) -> tuple[float, list[KVEvent], int | None]:
         obj = msgspec.msgpack.decode(payload)
     except (msgspec.DecodeError, TypeError, ValueError) as exc:
         raise KVEventDecodeError(f"invalid msgpack: {exc}") from exc
+    except RecursionError:  # nested deeper than the decoder recurses: no valid batch is
+        raise KVEventDecodeError("invalid msgpack: nested too deeply") from None
     if isinstance(obj, list):
         if not 2 <= len(obj) <= 3:
             raise KVEventDecodeError(f"EventBatch array must have 2 or 3 items, got {len(obj)}")
@@ -289,13 +312,22 @@ def _decode_event(raw: Any, index: int) -> KVEvent:
             raise KVEventDecodeError(f"event {index}: lora_id must be an int or nil")
         if lora_name is not None and not isinstance(lora_name, str):
             raise KVEventDecodeError(f"event {index}: lora_name must be a string or nil")
+        hashes = _hashes(fields["block_hashes"], index)
+        group, kind = fields.get("group_idx"), fields.get("kv_cache_spec_kind")
+        if group is not None and (isinstance(group, bool) or not isinstance(group, int)):
+            raise KVEventDecodeError(f"event {index}: group_idx must be an int or nil")
+        if kind is not None and not isinstance(kind, str):
+            raise KVEventDecodeError(f"event {index}: kv_cache_spec_kind must be a string or nil")
         return BlockStored(
-            block_hashes=_hashes(fields["block_hashes"], index),
+            block_hashes=hashes,
             parent_block_hash=None if parent is None else _hash(parent, index),
             token_ids=_ints(fields["token_ids"], "token_ids", index),
             block_size=block_size,
             lora_id=lora_id,
             lora_name=lora_name,
+            extra_keys=_extra_keys(fields.get("extra_keys"), len(hashes), index),
+            group_idx=group,
+            kv_cache_spec_kind=kind,
         )
     if tag == "BlockRemoved":
         _require(fields, _REMOVED_FIELDS, tag, index)
@@ -303,6 +335,27 @@ def _decode_event(raw: Any, index: int) -> KVEvent:
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     raise KVEventDecodeError(f"event {index}: unknown event type {tag!r}")
+
+
+def _freeze(value: Any) -> object:
+    """msgpack arrays (vLLM's tuples, e.g. a multimodal ``(hash, offset)``) as tuples, recursively."""
+    return tuple(_freeze(v) for v in value) if isinstance(value, list) else value
+
+
+def _extra_keys(value: Any, n: int, index: int) -> tuple[tuple[object, ...] | None, ...] | None:
+    """``BlockStored.extra_keys``: nil, or one entry (an array or nil) per block."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != n:
+        raise KVEventDecodeError(f"event {index}: extra_keys must be nil or one entry per block")
+    if not any(value):
+        return (None,) * n
+    out: list[tuple[object, ...] | None] = []
+    for entry in value:
+        if entry is not None and not isinstance(entry, list):
+            raise KVEventDecodeError(f"event {index}: each extra_keys entry must be an array or nil")
+        out.append(None if entry is None else tuple(_freeze(v) for v in entry))
+    return tuple(out)
 
 
 def _require(fields: dict[str, Any], names: Sequence[str], tag: str, index: int) -> None:

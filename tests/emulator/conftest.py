@@ -35,10 +35,13 @@ def make_settings(
     max_model_len: int = 4096,
     time_scale: float = 20.0,
     kv: KVEventsSettings | None = None,
+    metrics_name_filter: bool = False,
     **engine: Any,
 ) -> EmulatorSettings:
     cfg = EngineConfig(num_kv_blocks=blocks, max_model_len=max_model_len, report_tokens=True, **engine)
-    return EmulatorSettings(MODEL, cfg, time_scale, default_max_tokens=8, kv_events=kv)
+    return EmulatorSettings(
+        MODEL, cfg, time_scale, default_max_tokens=8, kv_events=kv, metrics_name_filter=metrics_name_filter
+    )
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from orjson import dumps as orjson_dumps
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.emulator.server import EmulatorServer
@@ -196,11 +197,25 @@ async def test_disconnect_aborts_and_frees_blocks(start_server, stream):
     assert idle.cached_blocks == 400 // 16  # the prompt's blocks stay cached, unreferenced
 
 
-async def test_metrics_name_filter_serves_only_the_named_samples(server: EmulatorServer):
-    """``/metrics?name[]=...`` (prometheus_client's filter, what the router scrapes): only those
-    samples, and what the router parses from them equals what it parses from the whole page."""
+async def test_metrics_name_filter_ignored_by_default_as_vllm_0_32(server: EmulatorServer):
+    """vLLM 0.32 ignores ``/metrics?name[]=``: every scrape renders the whole page. So does the
+    emulator by default."""
+    from kvroute.server.state.backends import SCRAPE_PATH
+
+    base = f"http://127.0.0.1:{server.port}"
+    async with aiohttp.ClientSession() as s, s.get(base + SCRAPE_PATH) as r:
+        part = await r.read()
+    names = {fam.name for fam in text_string_to_metric_families(part.decode())}
+    assert "vllm:time_to_first_token_seconds" in names and "vllm:cache_config_info" in names
+
+
+async def test_metrics_name_filter_serves_only_the_named_samples(start_server):
+    """With ``metrics_name_filter`` (``--metrics-name-filter``), ``/metrics?name[]=...``
+    (prometheus_client's filter) serves only those samples, and what the router parses from them
+    equals what it parses from the whole page."""
     from kvroute.server.state.backends import SCRAPE_PATH, parse_vllm_metrics
 
+    server: EmulatorServer = await start_server(metrics_name_filter=True)
     status, _ = await post(server, "/v1/completions", {"prompt": list(range(1000, 1100)), "max_tokens": 4})
     assert status == 200
     base = f"http://127.0.0.1:{server.port}"
@@ -216,7 +231,40 @@ async def test_metrics_name_filter_serves_only_the_named_samples(server: Emulato
         "vllm:num_requests_waiting",
         "vllm:kv_cache_usage_perc",
         "vllm:gpu_cache_usage_perc",
+        "vllm:cache_config_info",
     }
     assert len(part) < len(whole) // 5
     assert parse_vllm_metrics(part, 1.0) == parse_vllm_metrics(whole, 1.0)
     assert parse_vllm_metrics(part, 1.0) is not None
+
+
+async def test_clients_that_leave_mid_stream_are_counted_without_a_traceback(start_server, caplog):
+    """Regression: each client disconnect used to log aiohttp's "Error handling request" traceback."""
+    import socket
+    import struct
+
+    server = await start_server(time_scale=5.0)  # ~2 ms a token: each stream would last ~6 s
+    caplog.set_level("DEBUG")
+    body = orjson_dumps({"model": MODEL, "prompt": "hello there", "max_tokens": 3000, "stream": True})
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    n = 12
+    for i in range(n):
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(head + body)
+        await reader.readuntil(b"data: ")  # the stream has started
+        await asyncio.sleep(0.002 * i)  # leave at different points
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset
+        writer.close()
+    await wait_idle(server)
+    for _ in range(300):
+        if server.disconnects >= n:
+            break
+        await asyncio.sleep(0.01)
+    assert server.disconnects == n
+    assert server.driver.active == 0
+    tracebacks = [r.getMessage() for r in caplog.records if r.exc_info]
+    assert not tracebacks

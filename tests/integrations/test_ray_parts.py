@@ -68,6 +68,34 @@ def test_instance_view_adds_late_requests_and_removes_finished_ones() -> None:
     assert (v.running, v.waiting, v.queued_prefill_tokens) == (0, 2, 30)
 
 
+def test_instance_view_ends_prefill_at_the_replicas_ttft_estimate() -> None:
+    """With ``ttft_p50_s`` a request's prefill ends at reserved + ttft: after that it is running
+    with no prefill left (it decodes), not waiting with its whole prompt queued until it completes."""
+    stats = {"running": 1, "waiting": 1, "queued_prefill_tokens": 500, "time": 10.0, "ttft_p50_s": 0.05}
+    late = [(10.1, 300), (10.28, 200)]  # routed after the snapshot: 10.15 <= now, 10.33 > now
+    v = instance_view(0, stats, late, [], now=10.3)
+    assert (v.running, v.waiting, v.queued_prefill_tokens) == (2, 2, 700)
+    # Without the estimate (or without now) both count as prefilling, as before.
+    v = instance_view(0, {k: x for k, x in stats.items() if k != "ttft_p50_s"}, late, [], now=10.3)
+    assert (v.running, v.waiting, v.queued_prefill_tokens) == (1, 3, 1000)
+    v = instance_view(0, stats, late, [])
+    assert (v.running, v.waiting, v.queued_prefill_tokens) == (1, 3, 1000)
+    # Completed since the snapshot: one whose prefill ended by then (9.0 + 0.05 <= 10) was running
+    # in it and comes off the running count only; one reserved at 9.99 was still prefilling in it.
+    v = instance_view(0, stats, [], [(9.0, 10.2, 400)], now=10.3)
+    assert (v.running, v.waiting, v.queued_prefill_tokens) == (0, 1, 500)
+    v = instance_view(0, stats, [], [(9.99, 10.2, 100)], now=10.3)
+    assert (v.running, v.waiting, v.queued_prefill_tokens) == (1, 0, 400)
+    # A prompt of several chunks under the replica's budget takes one TTFT per chunk: 300 tokens
+    # at 128 per step are 3 chunks, so (10.1, 300) ends at 10.25 <= 10.3 but (10.2, 300) at 10.35.
+    budget = {**stats, "max_num_batched_tokens": 128}
+    v = instance_view(0, budget, [(10.1, 300), (10.2, 300)], [], now=10.3)
+    assert (v.running, v.waiting, v.queued_prefill_tokens) == (2, 2, 800)
+    for bad in (-1.0, float("nan"), float("inf"), "0.05", True):  # a bad estimate is ignored
+        v = instance_view(0, {**stats, "ttft_p50_s": bad}, late, [], now=10.3)
+        assert (v.running, v.waiting, v.queued_prefill_tokens) == (1, 3, 1000)
+
+
 class Pydantic:
     def __init__(self, **kw: object) -> None:
         self.kw = kw

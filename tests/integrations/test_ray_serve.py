@@ -134,6 +134,9 @@ def test_load_is_counted_and_released(serve_app: Callable[..., Any]) -> None:
     assert a["replica"] != b["replica"]
     wait_for(lambda: len(router.inflight) == 0)
     assert router.inflight.load() == {}
+    # Each replica reports where its prefills end (its engine's median time to first token).
+    wait_for(lambda: all("ttft_p50_s" in (r.routing_stats or {}) for r in router._by_rid.values()))
+    assert all(0.0 < r.routing_stats["ttft_p50_s"] < 5.0 for r in router._by_rid.values())
 
 
 def test_dead_replica_is_dropped_and_router_survives_replica_changes(serve_app: Callable[..., Any]) -> None:

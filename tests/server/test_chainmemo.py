@@ -88,3 +88,15 @@ def test_router_routes_with_memoised_chain(tokenizer: object) -> None:
         assert ids == core.tokenizer.tokenizer.encode_chat(turn)
         assert chain == tuple(hash_blocks(ids, 16))
     assert core.chains.hits >= 2
+
+
+def test_memo_is_bounded_by_the_tokens_it_covers() -> None:
+    """A few huge pieces cannot grow the memo past its token bound (regression: only entries were
+    bounded), and what it keeps still gives the right hashes."""
+    memo = ChainMemo(16, entries=1000, tokens=5000)
+    for n in range(40):
+        part = list(range(n * 1000, n * 1000 + 1000))
+        chain = memo.chain([(("user", f"m{n}"), part)])
+        assert chain == hash_blocks(part, 16)
+        assert memo.tokens <= 5000
+    assert memo.tokens == 5000

@@ -232,8 +232,8 @@ async def test_all_backends_down_503(cluster: Cluster, tokenizer: Tokenizer) -> 
 
 
 async def test_scrapes_read_filtered_and_whole_metric_pages(cluster: Cluster, tokenizer: Tokenizer) -> None:
-    """The scraper asks for the samples it reads (``name[]``); emulated engines serve just those, a
-    server that ignores the filter serves its whole page: both end up in the backends' load view."""
+    """The scraper asks for the samples it reads (``name[]``); the emulated engines, as vLLM 0.32,
+    serve their whole page, so does the fake: both end up in the backends' load view."""
     from .fakes import FakeEngine
 
     await cluster.add_engine(tokenizer, events=False)

@@ -20,7 +20,7 @@ from kvroute.server.app import RouterServer
 from kvroute.server.config import BackendSpec, RouterConfig
 from kvroute.server.observe.exporter import render_metrics
 from kvroute.server.state.backends import ACTIVE, DRAINING, REMOVED, Lease
-from kvroute.server.sync.admin import spec_from_body
+from kvroute.server.sync.admin import delete_backend, spec_from_body
 from kvroute.server.sync.discovery import Discovery, DnsSource, FileSource, make_source
 from kvroute.server.sync.fleet import STATIC
 from kvroute.server.wire.validate import ApiError
@@ -121,7 +121,36 @@ def test_sources_combine_and_static_ones_survive_discovery(tokenizer: Tokenizer)
     assert changes is not None and changes.drained == (B,)
     assert [b.url for b in server.state.live_backends()] == [A]
     fleet.forget(A)
-    assert fleet.sources[STATIC] == ()
+    assert fleet.deleted() == {STATIC: (A,)} and fleet.desired() == []
+
+
+def test_an_admin_deletion_survives_reloads_until_the_source_lists_it_anew(tokenizer: Tokenizer) -> None:
+    """Regression: a SIGHUP reload of the same file brought back a backend deleted through the admin
+    API (on that replica only). Per source: only a change of that source's own entry brings it back."""
+    server = make_server(tokenizer, BackendSpec(A), BackendSpec(B))
+    fleet = server.fleet
+    b = server.state.find(B)
+    assert b is not None
+    delete_backend(fleet, b)
+    assert [x.url for x in server.state.live_backends()] == [A]
+    assert fleet.set_source(STATIC, [BackendSpec(A), BackendSpec(B)]) is None  # the same file
+    assert [x.url for x in server.state.live_backends()] == [A]
+    changes = fleet.set_source(STATIC, [BackendSpec(A), BackendSpec(B), BackendSpec(C)])  # others change
+    assert changes is not None and changes.added == (C,)
+    assert [x.url for x in server.state.live_backends()] == [A, C]
+    fleet.set_source("dns://x:1", [BackendSpec(B)])  # another source lists it: it comes back
+    assert B in [x.url for x in server.state.live_backends()]
+    fleet.set_source("dns://x:1", [])
+    assert B not in [x.url for x in server.state.live_backends()]
+    fleet.set_source(STATIC, [BackendSpec(A), BackendSpec(C)])  # the operator takes it off the file...
+    assert fleet.deleted() == {}
+    changes = fleet.set_source(STATIC, [BackendSpec(A), BackendSpec(C), BackendSpec(B)])  # ...and back
+    assert changes is not None and changes.added == (B,)
+    b = server.state.find(B)
+    assert b is not None
+    delete_backend(fleet, b)
+    changes = fleet.set_source(STATIC, [BackendSpec(A), BackendSpec(C), BackendSpec(B, tags=("spot",))])
+    assert changes is not None and changes.added == (B,)  # its entry changed: listed anew
 
 
 def test_apply_config_swaps_policy_keeps_kv_view_and_rejects_bad_features(tokenizer: Tokenizer) -> None:

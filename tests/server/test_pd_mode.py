@@ -351,5 +351,5 @@ async def test_repeated_client_request_ids_keep_the_bookkeeping_straight(fleet):
                 return r.status
 
         assert await asyncio.gather(one(), one(), one()) == [200, 200, 200]
-    assert all(not i.inflight and not i.started for pool in router.pools.values() for i in pool)
+    assert all(not i.inflight and not i.started for pool in router.pools.values() for i in pool.values())
     assert len({d["key"] for d in router.decisions}) == 3

@@ -7,7 +7,7 @@ import pytest
 
 from kvroute.blocks import extra_key, hash_blocks
 from kvroute.commands.settings import config_from_mapping
-from kvroute.engine.types import BlockRemoved, BlockStored
+from kvroute.engine.types import AllBlocksCleared, BlockRemoved, BlockStored
 from kvroute.errors import UserError
 from kvroute.kvevents import decode_batch, encode_batch, page_hashes
 from kvroute.routing.kvview import KVView
@@ -88,7 +88,7 @@ def test_kv_view_keys_adapter_blocks() -> None:
     assert kv.match(hash_blocks(tokens, 16, extra_key("sql")), 0.0) == [4, 0]
     assert kv.match(hash_blocks(tokens, 16), 0.0) == [0, 0]
     assert kv.skipped_blocks == 4
-    assert extra_key(None, "salt") == "salt" and extra_key("a", "b") != extra_key("a")
+    assert extra_key(None, "salt") != extra_key(None) and extra_key("a", "b") != extra_key("a")
 
 
 def _state(i: int) -> BackendState:
@@ -140,3 +140,56 @@ def test_config_backend_models_and_engine() -> None:
         config_from_mapping({"backends": [{"url": "http://a:1", "engine": "tgi"}]}, "f.yaml")
     with pytest.raises(UserError, match="models"):
         config_from_mapping({"backends": [{"url": "http://a:1", "models": "m"}]}, "f.yaml")
+
+
+def test_kv_view_records_a_salted_prefix_as_salted() -> None:
+    """vLLM 0.32 events carry a salted request's ``cache_salt`` in its first block's ``extra_keys``:
+    the exact view records the salt's chain, so the salted repeat matches and the same text unsalted
+    (or under another salt) does not; a later event continuing that prompt (no salt in its keys)
+    extends the salted chain. Engine blocks of 64 tokens (re-blocked) carry the salt the same way."""
+    tokens = tuple(range(96))
+    salted = hash_blocks(tokens, 16, extra_key(None, "t1"))
+    for ebs in (16, 32):
+        kv = KVView(1, 16, 1024, None, 0.0, exact_backends=[0])
+        n = 64 // ebs
+        first = BlockStored(
+            tuple(range(1, n + 1)), None, tokens[:64], ebs, extra_keys=(("t1",), *([None] * (n - 1)))
+        )
+        m = 32 // ebs
+        more = BlockStored(tuple(range(90, 90 + m)), n, tokens[64:96], ebs, extra_keys=(None,) * m)
+        kv.apply_events(0, [first])
+        assert kv.match(salted, 0.0) == [4]
+        assert kv.match(hash_blocks(tokens, 16), 0.0) == [0]
+        assert kv.match(hash_blocks(tokens, 16, extra_key(None, "t2")), 0.0) == [0]
+        kv.apply_events(0, [more])
+        assert kv.match(salted, 0.0) == [6]
+
+
+def test_kv_view_shortfall_drops_what_the_real_figure_does_not_support() -> None:
+    """A real ``cached_tokens`` below half the prediction and short by at least one engine block:
+    an unexplained one drops that backend's exact entries and history but the request's own prompt
+    (the engine just computed it); one explained by an ``AllBlocksCleared`` that reached the view
+    after the request was routed keeps the exact view (what was stored since is real). A small
+    shortfall changes nothing."""
+    tokens = tuple(range(128))
+    chain = hash_blocks(tokens, 16)
+    other = hash_blocks(tuple(range(500, 564)), 16)
+    kv = KVView(2, 16, 1024, None, 0.0, exact_backends=[0, 1])
+    for b in (0, 1):
+        kv.apply_events(b, [BlockStored(tuple(range(10 * b, 10 * b + 8)), None, tokens, 16)])
+        kv.apply_events(
+            b, [BlockStored(tuple(range(50 + 10 * b, 54 + 10 * b)), None, tuple(range(500, 564)), 16)]
+        )
+        kv.on_routed(b, chain, 0.0)
+    kv.on_usage(0, chain, 96, 7, 0.0)  # 96 of 112: not below half
+    assert kv.match(other, 0.0) == [4, 4] and kv.shortfalls == {}
+    kv.on_usage(0, chain, 32, 7, 0.0)  # unexplained: the rest of backend 0's view goes
+    assert kv.match(other, 0.0) == [0, 4] and kv.match(chain, 0.0) == [8, 8] and kv.shortfalls == {0: 1}
+    kv.on_routed(1, chain, 0.0)
+    kv.apply_events(1, [AllBlocksCleared()])  # the late clear reached the view: explained
+    kv.apply_events(1, [BlockStored((70, 71, 72, 73), None, tuple(range(500, 564)), 16)])
+    kv.on_usage(1, chain, 0, 7, 0.0)
+    assert kv.match(other, 0.0) == [0, 4] and kv.shortfalls == {0: 1, 1: 1}
+    kv.set_engine_block_size(1, 128)
+    kv.on_usage(1, chain, 0, 7, 0.0)  # short by 112 < one engine block of 128: no evidence
+    assert kv.shortfalls == {0: 1, 1: 1}

@@ -412,6 +412,41 @@ async def test_deferred_tail_after_shutdown_is_dropped_quietly(tokenizer: Tokeni
         await server.stop()
 
 
+async def test_client_gone_at_the_final_end_of_a_stream_is_a_disconnect(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every chunk reached the client, then its connection is gone when the stream's end is written:
+    counted as a disconnect like one mid-stream, no traceback (regression: write_eof was uncovered)."""
+    from aiohttp import web
+    from aiohttp.client_exceptions import ClientConnectionResetError
+
+    real_eof = web.StreamResponse.write_eof
+
+    async def gone_at_eof(self: web.StreamResponse, data: bytes = b"") -> None:
+        if self.chunked:  # the relayed stream (plain answers are not chunked)
+            raise ClientConnectionResetError("Cannot write to closing transport")
+        await real_eof(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write_eof", gone_at_eof)
+    t = FakeTransport({A: [Scripted()]})
+    server = await start(t, tokenizer, A)
+    caplog.set_level("DEBUG")
+    try:
+        async with aiohttp.ClientSession() as s:
+            with pytest.raises(aiohttp.ClientError):
+                async with s.post(server.url + "/v1/completions", json=BODY) as r:
+                    await r.read()
+        for _ in range(200):
+            if server.state.counters.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert server.state.counters.cancelled == 1 and server.state.counters.ok == 0
+        assert counters_zero(server)
+        assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+    finally:
+        await server.stop()
+
+
 async def test_peer_lmetric_bookkeeping_follows_the_live_requests(tokenizer: Tokenizer) -> None:
     """aibrix-lmetric keeps its own pending counters in the live router: a request in flight counts
     on its backend until it ends (retries included), and the same prompt again goes to the other

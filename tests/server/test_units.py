@@ -83,7 +83,7 @@ vllm:cache_config_info{block_size="16",num_gpu_blocks="4096"} 1.0
 
 def test_parse_vllm_metrics() -> None:
     m = parse_vllm_metrics(VLLM_METRICS, at=5.0)
-    assert m == ScrapedMetrics(running=4, waiting=2, kv_usage=0.25, at=5.0, num_kv_blocks=4096)
+    assert m == ScrapedMetrics(running=4, waiting=2, kv_usage=0.25, at=5.0, num_kv_blocks=4096, block_size=16)
     assert parse_vllm_metrics(b"other_metric 1\n", at=0.0) is None
 
 
@@ -234,6 +234,17 @@ async def test_gap_without_replay_resets_backend() -> None:
         ctx.term()
 
 
+async def _replay_server(router: zmq.asyncio.Socket, history: dict[int, bytes]) -> None:
+    """A vLLM-style replay socket: every buffered batch with ``seq >= start``, then ``END_SEQ``."""
+    while True:
+        ident, _empty, start = await router.recv_multipart()
+        s = int.from_bytes(start, "big")
+        for seq in sorted(history):
+            if seq >= s:
+                await router.send_multipart([ident, b"", encode_seq(seq), history[seq]])
+        await router.send_multipart([ident, b"", END_SEQ, b""])
+
+
 async def test_gap_is_filled_from_replay_socket() -> None:
     kv = KVView(1, 16, capacity_blocks=100, ttl_s=None, recovery_s=5.0, exact_backends=[0])
     ctx = zmq.asyncio.Context()
@@ -242,25 +253,80 @@ async def test_gap_is_filled_from_replay_socket() -> None:
     toks = tokens(48)
     history = {1: batch([stored([11], None, toks[:16])]), 2: batch([stored([12], 11, toks[16:32])])}
 
-    async def serve_replay() -> None:
-        ident, _empty, start = await router.recv_multipart()
-        s = int.from_bytes(start, "big")
-        for seq in sorted(history):
-            if seq >= s:
-                await router.send_multipart([ident, b"", encode_seq(seq), history[seq]])
-        await router.send_multipart([ident, b"", END_SEQ, b""])
-
-    server = asyncio.create_task(serve_replay())
+    server = asyncio.create_task(_replay_server(router, history))
     try:
         sub = EventSubscriber(ctx, 0, "tcp://127.0.0.1:1", f"tcp://127.0.0.1:{port}", kv, clock=lambda: 1.0)
         await sub.handle(encode_seq(0), batch([]))
         await sub.handle(encode_seq(3), batch([stored([13], 12, toks[32:])]))
-        await server
         assert (sub.gaps, sub.replayed, sub.resets) == (1, 2, 0)
         assert kv.mode(0, 1.0) == "exact" and kv.match(hash_blocks(toks, 16), 1.0) == [3]
     finally:
         server.cancel()
         router.close(0)
+        ctx.term()
+
+
+@pytest.mark.parametrize("first", [0, 4], ids=["whole-buffer", "buffer-trimmed"])
+async def test_replay_on_subscribe_before_any_live_batch(first: int) -> None:
+    """Fix 5: a subscriber asks for the replay as soon as it subscribes (no live batch has come). A
+    buffer starting at 0 makes the view exact at once; one that no longer starts at 0 (vLLM keeps its
+    last ``buffer_steps`` batches) is applied from its first batch on, counted as partial, and the
+    backend stays recovering (approximate help) for ``recovery_s``."""
+    kv = KVView(1, 16, capacity_blocks=100, ttl_s=None, recovery_s=5.0, exact_backends=[0])
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    pub = ctx.socket(zmq.PUB)
+    pub_port = pub.bind_to_random_port("tcp://127.0.0.1")
+    toks = tokens(48)
+    history = {
+        first: batch([stored([11], None, toks[:16])]),
+        first + 1: batch([stored([12], 11, toks[16:32])]),
+        first + 2: batch([stored([13], 12, toks[32:])]),
+    }
+    server = asyncio.create_task(_replay_server(router, history))
+    sub = EventSubscriber(
+        ctx, 0, f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{port}", kv, clock=lambda: 1.0
+    )
+    assert kv.mode(0, 1.0) == "exact"
+    task = asyncio.create_task(sub.run())
+    try:
+        async with asyncio.timeout(5):
+            await sub.synced.wait()
+        assert sub.replayed == 3 and sub.last_seq == first + 2 and sub.batches == 3
+        assert kv.match(hash_blocks(toks, 16), 1.0) == [3]
+        if first == 0:
+            assert (sub.partial, sub.resets, kv.mode(0, 1.0)) == (0, 0, "exact")
+        else:
+            assert sub.partial == 1 and kv.mode(0, 1.0) == "recovering" and kv.mode(0, 6.5) == "exact"
+    finally:
+        task.cancel()
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        router.close(0)
+        pub.close(0)
+        ctx.term()
+
+
+async def test_replay_on_subscribe_that_gets_no_answer_leaves_the_view_recovering() -> None:
+    kv = KVView(1, 16, capacity_blocks=100, ttl_s=None, recovery_s=5.0, exact_backends=[0])
+    ctx = zmq.asyncio.Context()
+    sub = EventSubscriber(
+        ctx, 0, "tcp://127.0.0.1:1", "tcp://127.0.0.1:1", kv, clock=lambda: 1.0, replay_timeout_s=0.2
+    )
+    task = asyncio.create_task(sub.run())
+    try:
+        assert kv.mode(0, 1.0) == "exact"
+        await asyncio.sleep(0)
+        assert kv.mode(0, 1.0) == "recovering"  # syncing: approximate help while the replay runs
+        async with asyncio.timeout(5):
+            await sub.synced.wait()
+        assert sub.last_seq is None and kv.mode(0, 1.0) == "recovering" and kv.mode(0, 6.5) == "exact"
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
         ctx.term()
 
 
@@ -412,3 +478,19 @@ def test_lease_holds_the_request_blocks_until_release_and_the_view_reads_them() 
     assert b.blocks == 0
     b.scraped = None
     assert b.view(0.0, 1.0).decode_blocks == 0
+
+
+def test_token_cache_is_bounded_by_tokens_not_only_entries(tokenizer: object) -> None:
+    """Regression: the piece cache was bounded by entries only, so huge messages grew it without
+    bound; now it never holds more than ``cache_tokens`` token ids, and stays exact."""
+    from kvroute.prepare.tokenize import RequestTokenizer
+
+    rt = RequestTokenizer(tokenizer, cache_entries=10_000, cache_tokens=3000)  # type: ignore[arg-type]
+    for i in range(30):
+        chat = [{"role": "system", "content": "sys"}, {"role": "user", "content": f"question {i} " * 300}]
+        assert rt.chat(chat) == rt.tokenizer.encode_chat(chat)  # type: ignore[attr-defined]
+        assert rt.cached_tokens <= 3000
+        assert rt.cached_tokens == sum(len(v) for v in rt._cache.values())
+    huge = [{"role": "user", "content": "word " * 5000}]  # one piece over the bound: not cached
+    rt.chat(huge)
+    assert rt.cached_tokens <= 3000

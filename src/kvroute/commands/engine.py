@@ -111,7 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["array", "map", "sglang"],
         default=None,
         help="event encoding: array (older vLLM), map (newer) or sglang "
-        "(default: array, or sglang with --flavor sglang)",
+        "(default: map, as vLLM 0.32 sends; sglang with --flavor sglang)",
     )
     p.add_argument(
         "--kv-events-page-size",
@@ -132,6 +132,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME=PATH",
         help="LoRA adapters served as models besides --model, as vLLM's flag (only NAME matters here)",
+    )
+    p.add_argument(
+        "--kv-events-buffer-steps",
+        type=int,
+        default=10_000,
+        help="event batches kept for replay, as vLLM's KVEventsConfig.buffer_steps (default 10000)",
+    )
+    p.add_argument(
+        "--metrics-name-filter",
+        action="store_true",
+        help="honour /metrics?name[]= filters (vLLM 0.32 ignores them and renders the whole page; "
+        "so does this engine by default)",
     )
     p.add_argument("--kv-events-topic", default="", help="ZMQ topic (default empty)")
     p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ ROUTER endpoint for replay")
@@ -240,7 +252,7 @@ def build(args: argparse.Namespace) -> tuple[EmulatorSettings, Profile, Tokenize
         max_model_len=max_len,
         report_tokens=True,
     )
-    fmt: EventFormat = args.kv_events_format or ("sglang" if args.flavor == "sglang" else "array")
+    fmt: EventFormat = args.kv_events_format or ("sglang" if args.flavor == "sglang" else "map")
     page = args.kv_events_page_size
     if page is not None:
         if fmt != "sglang":
@@ -253,6 +265,8 @@ def build(args: argparse.Namespace) -> tuple[EmulatorSettings, Profile, Tokenize
             "--lora-modules is not emulated with --flavor sglang (its KV events do not name adapters)"
         )
     kv = None
+    if args.kv_events_buffer_steps < 1:
+        raise UserError("--kv-events-buffer-steps must be >= 1")
     if args.kv_events_endpoint:
         kv = KVEventsSettings(
             args.kv_events_endpoint,
@@ -261,6 +275,7 @@ def build(args: argparse.Namespace) -> tuple[EmulatorSettings, Profile, Tokenize
             args.kv_events_replay_endpoint,
             args.kv_events_connect,
             page or 0,
+            args.kv_events_buffer_steps,
         )
     settings = EmulatorSettings(
         args.model,
@@ -272,6 +287,7 @@ def build(args: argparse.Namespace) -> tuple[EmulatorSettings, Profile, Tokenize
         flavor=args.flavor,
         kv_transfer=_kv_transfer(args),
         kv_bytes_per_token=profile.model.kv_bytes_per_token_per_rank(args.tp),
+        metrics_name_filter=args.metrics_name_filter,
     )
     return settings, profile, load_tokenizer(args.tokenizer, chat_template=args.chat_template)
 

@@ -2,7 +2,9 @@
 
 The instances come from ``--prefill``/``--decode`` (vllm-router's flag names) and from the ``--config``
 file's backends that carry ``role: prefill`` or ``role: decode``; ``--kv-events URL=ENDPOINT`` gives an
-instance's KV events. The conditional skip uses the engines' cost model (``--profile``, as
+instance's KV events. Discovery (``--discover``, the config's ``discover``) takes a role:
+``prefill=dns://NAME:PORT``, ``decode=file://PATH``, or a bare ``file://PATH`` whose backends carry
+``role:``; the instances a source lists join and leave their pool as it changes. The conditional skip uses the engines' cost model (``--profile``, as
 ``kvroute engine`` takes it) and the link (``--kv-transfer-bandwidth`` GB/s, KV bytes per token from
 the profile's model config).
 """
@@ -41,8 +43,22 @@ def add_pd_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-conditional", action="store_true", help="with --decode: never skip P")
 
 
-def wants_pd(args: argparse.Namespace, backends: Any) -> bool:
-    return bool(args.prefill or args.decode or any(b.role for b in backends))
+def wants_pd(args: argparse.Namespace, backends: Any, discover: Any = ()) -> bool:
+    """P/D mode: --prefill/--decode given, a config backend with a role, or a discovery source with
+    a role prefix (``prefill=`` / ``decode=``)."""
+    roles = [split_role(src)[0] for src in (*(getattr(args, "discover", None) or ()), *discover)]
+    return bool(args.prefill or args.decode or any(b.role for b in backends) or any(roles))
+
+
+def split_role(source: str) -> tuple[str | None, str]:
+    """``"prefill=dns://p:8000"`` → ``("prefill", "dns://p:8000")``; no prefix → ``(None, source)``;
+    UserError for a prefix that is not a role."""
+    head, sep, rest = source.partition("=")
+    if not sep or "://" in head:
+        return None, source
+    if head not in ("prefill", "decode"):
+        raise UserError(f"--discover {source!r}: the role before '=' must be prefill or decode")
+    return head, rest
 
 
 def pd_config(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
@@ -59,8 +75,17 @@ def pd_config(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     base = load_config_file(args.config) if args.config else RouterConfig(backends=())
     if args.backend:
         raise UserError("--backend is for a colocated fleet; in P/D mode give --prefill and --decode")
-    if getattr(args, "discover", None) or base.discover:
-        raise UserError("discovery is not supported in P/D mode yet: list --prefill/--decode or config roles")
+    from kvroute.commands.settings import backends_from_text
+    from kvroute.server.sync.discovery import make_source
+
+    discover = tuple(split_role(s) for s in (getattr(args, "discover", None) or base.discover))
+    kv_template = getattr(args, "discover_kv_events", None) or base.discover_kv_events
+    for role, src in discover:
+        if role is None and not src.startswith("file://"):
+            raise UserError(
+                f"--discover {src!r}: in P/D mode a DNS source needs a role: prefill={src} or decode={src}"
+            )
+        make_source(src, kv_template, parse=backends_from_text)  # fail early on a malformed source
     events = _pairs(args.kv_events, "--kv-events")
     pools: dict[str, list[str]] = {"prefill": [], "decode": []}
     for b in base.backends:
@@ -80,8 +105,8 @@ def pd_config(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     for url in events:
         if url not in known:
             raise UserError(f"--kv-events names {url}, which is neither a --prefill nor a --decode instance")
-    if not pools["decode"]:
-        raise UserError("P/D mode needs at least one --decode instance")
+    if not pools["decode"] and not any(role in (None, "decode") for role, _ in discover):
+        raise UserError("P/D mode needs at least one --decode instance (or a decode=... discovery source)")
     policy = args.policy or base.policy
     make_policy(policy)  # fail early on an unknown name
     bw = args.kv_transfer_bandwidth if args.kv_transfer_bandwidth is not None else DEFAULT_BANDWIDTH_GBPS
@@ -98,6 +123,9 @@ def pd_config(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         block_size=args.block_size or base.block_size,
         conditional=not args.no_conditional,
         max_retries=args.max_retries if args.max_retries is not None else base.max_retries,
+        discover=discover,
+        discover_interval_s=getattr(args, "discover_interval", None) or base.discover_interval_s,
+        discover_kv_events=kv_template,
     )
     try:
         cfg.check()
@@ -114,8 +142,15 @@ async def _serve(args: argparse.Namespace) -> None:
     from kvroute.server.pd import PDServer
 
     cfg, tok, cost, transfer = pd_config(args)
+    from kvroute.commands.settings import backends_from_text
+
     server = PDServer(
-        cfg, tok, cost, transfer, max_num_batched_tokens=args.engine_max_num_batched_tokens or 4096
+        cfg,
+        tok,
+        cost,
+        transfer,
+        max_num_batched_tokens=args.engine_max_num_batched_tokens or 4096,
+        parse=backends_from_text,
     )
     host, port = args.host or "127.0.0.1", args.port if args.port is not None else 8080
     try:
@@ -124,8 +159,9 @@ async def _serve(args: argparse.Namespace) -> None:
         await server.stop()
         raise UserError(f"cannot listen on {host}:{port}: {exc}") from None
     print(
-        f"kvroute serve (P/D): http://{host}:{bound}/v1 policy={cfg.policy} prefill={len(cfg.prefill)} "
-        f"decode={len(cfg.decode)} conditional={cfg.conditional}",
+        f"kvroute serve (P/D): http://{host}:{bound}/v1 policy={cfg.policy} "
+        f"prefill={len(server.pools['prefill'])} decode={len(server.pools['decode'])} "
+        f"discovery sources={len(cfg.discover)} conditional={cfg.conditional}",
         file=sys.stderr,
         flush=True,
     )

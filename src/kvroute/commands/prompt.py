@@ -66,7 +66,7 @@ def render(body: Any, where: str, tok: Any) -> tuple[str | None, list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvroute.blocks import hash_blocks
+    from kvroute.blocks import extra_key, hash_blocks
     from kvroute.tokenizer import load_tokenizer
 
     if args.block_size < 1:
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     text, ids = render(body, where, tok)
     salt = body.get("cache_salt") if isinstance(body, dict) else None
     try:
-        hashes = hash_blocks(ids, args.block_size, extra_key=salt if isinstance(salt, str) else None)
+        hashes = hash_blocks(ids, args.block_size, extra_key(None, salt if isinstance(salt, str) else None))
     except ValueError as exc:
         raise UserError(f"{where}: invalid token ids: {exc}") from None
     if args.json:

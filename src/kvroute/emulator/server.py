@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -86,7 +87,11 @@ from kvroute.engine.types import (
 from kvroute.kvevents import EventFormat
 from kvroute.tokenizer import Tokenizer
 
+log = logging.getLogger("kvroute.emulator")
+
 __all__ = ["FILLER_WORDS", "EmulatorServer", "EmulatorSettings", "KVEventsSettings"]
+
+log = logging.getLogger("kvroute.emulator")
 
 FILLER_WORDS = (
     *("the", "of", "and", "to", "in", "is", "that", "it", "for", "on", "with", "as", "was", "by", "at"),
@@ -99,11 +104,12 @@ class KVEventsSettings:
     """Where and how KV events are published (see :mod:`kvroute.emulator.publisher`)."""
 
     endpoint: str
-    fmt: EventFormat = "array"
+    fmt: EventFormat = "map"  # vLLM 0.10+ (0.32 included) sends maps tagged "type"
     topic: str = ""
     replay_endpoint: str | None = None
     connect: bool = False
     page_size: int = 0  # fmt "sglang": tokens per page (0: the block size)
+    buffer_steps: int = 10_000  # batches kept for replay (vLLM's KVEventsConfig.buffer_steps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +125,9 @@ class EmulatorSettings:
     - ``flavor``: ``"vllm"`` or ``"sglang"`` (module docstring).
     - ``kv_transfer``: the P/D role (None: no KV connector, ``kv_transfer_params`` ignored as vLLM
       does without one); ``kv_bytes_per_token``: KV bytes per token per rank, for the transfer time.
+    - ``metrics_name_filter``: honour ``/metrics?name[]=`` (prometheus_client's filter). Off by
+      default, as vLLM 0.32: its ``/metrics`` route comes from the instrumentator, registered before
+      the app that filters, so every scrape renders the whole page.
     """
 
     model_name: str = "kvroute-emulated"
@@ -130,6 +139,11 @@ class EmulatorSettings:
     flavor: str = "vllm"
     kv_transfer: KVTransferSettings | None = None
     kv_bytes_per_token: float = 0.0
+    metrics_name_filter: bool = False
+
+
+FULL_ATTENTION = "full_attention"
+"""vLLM's ``KVCacheSpecKind`` of a full-attention KV cache group (what its ``BlockStored`` carries)."""
 
 
 def _sse(obj: Any) -> bytes:
@@ -163,6 +177,8 @@ class EmulatorServer:
         self.served = (settings.model_name, *settings.lora_modules)  # base model first
         self._lora_ids = {name: i + 1 for i, name in enumerate(settings.lora_modules)}
         self._adapter_blocks: dict[int, str] = {}  # block hash -> adapter of the request that hashed it
+        self._claimed: set[str] = set()  # request ids handed out and not yet answered
+        self._salted: dict[int, str] = {}  # first block hash of a salted prompt -> its cache_salt
         self.publisher: KVEventPublisher | None = None
         if settings.kv_events is not None:
             kv = settings.kv_events
@@ -180,6 +196,7 @@ class EmulatorServer:
                 replay_endpoint=kv.replay_endpoint,
                 connect=kv.connect,
                 pages_per_block=pages,
+                buffer_steps=kv.buffer_steps,
             )
         pub = self.publisher
         self.driver = EngineDriver(
@@ -210,6 +227,7 @@ class EmulatorServer:
         self.app = self._build_app()
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
+        self.disconnects = 0  # streams whose client went away before their end (one debug line each)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _build_app(self) -> web.Application:
@@ -224,6 +242,7 @@ class EmulatorServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         if self.settings.flavor == "sglang":
             app.router.add_get("/get_model_info", self.model_info)
         return app
@@ -274,8 +293,17 @@ class EmulatorServer:
         return web.json_response({"version": kvroute.__version__, "server": "kvroute-emulator"})
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
-        names = request.query.getall("name[]", [])
+        names = request.query.getall("name[]", []) if self.settings.metrics_name_filter else ()
         return web.Response(body=self.metrics.render(names), headers={"Content-Type": CONTENT_TYPE})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /reset_prefix_cache`` (there behind ``VLLM_SERVER_DEV_MODE=1``; always served
+        here): the prefix cache is dropped now (refused, and logged, while a running request holds
+        cached blocks, as vLLM), and ``AllBlocksCleared`` goes out with the engine's next step, as
+        vLLM publishes it: until a request makes the engine step, subscribers have not seen it."""
+        if not self.model.reset_prefix_cache():
+            log.warning("failed to reset the prefix cache: running requests still hold cached blocks")
+        return web.Response(status=200)
 
     async def models(self, request: web.Request) -> web.Response:
         name = self.settings.model_name
@@ -300,19 +328,27 @@ class EmulatorServer:
         return web.json_response({"model_path": name, "tokenizer_path": name, "is_generation": True})
 
     def _tag(self, events: list[KVEvent]) -> list[KVEvent]:
-        """Name the adapter in the ``BlockStored`` events of adapter requests' blocks (and forget
-        removed blocks)."""
-        blocks = self._adapter_blocks
-        if not blocks:
-            return events
+        """What vLLM 0.32 adds to a ``BlockStored``: ``extra_keys`` (one entry per block: the
+        adapter's name in each block of an adapter request, then a salted prompt's ``cache_salt`` in
+        its first block; None for a block with neither), ``group_idx`` 0, ``kv_cache_spec_kind``
+        ``"full_attention"`` (one full-attention KV cache group, as vLLM's for Qwen3) and, for adapter blocks,
+        ``lora_id``/``lora_name``. Forgets removed blocks."""
+        blocks, salted = self._adapter_blocks, self._salted
         out: list[KVEvent] = []
         for ev in events:
-            if isinstance(ev, BlockStored) and ev.block_hashes and ev.block_hashes[0] in blocks:
-                name = blocks[ev.block_hashes[0]]
-                ev = replace(ev, lora_id=self._lora_ids[name], lora_name=name)
+            if isinstance(ev, BlockStored) and ev.block_hashes:
+                name = blocks.get(ev.block_hashes[0])
+                salt = salted.get(ev.block_hashes[0]) if ev.parent_block_hash is None else None
+                keys: list[tuple[object, ...] | None] = [(name,) if name else None] * len(ev.block_hashes)
+                if salt is not None:
+                    keys[0] = (name, salt) if name else (salt,)
+                ev = replace(ev, extra_keys=tuple(keys), group_idx=0, kv_cache_spec_kind=FULL_ATTENTION)
+                if name is not None:
+                    ev = replace(ev, lora_id=self._lora_ids[name], lora_name=name)
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
                     blocks.pop(h, None)
+                    salted.pop(h, None)
             out.append(ev)
         return out
 
@@ -389,11 +425,13 @@ class EmulatorServer:
     def _request_id(self, request: web.Request, prefix: str) -> str:
         """``<prefix>-<X-Request-Id>`` when usable and not in use, else ``<prefix>-<random hex>``."""
         xrid = request.headers.get("X-Request-Id", "")
+        rid = f"{prefix}-{uuid.uuid4().hex}"
         if xrid and len(xrid) <= 256 and xrid.isprintable():
-            rid = f"{prefix}-{xrid}"
-            if not self.driver.known(rid):
-                return rid
-        return f"{prefix}-{uuid.uuid4().hex}"
+            mine = f"{prefix}-{xrid}"
+            if not self.driver.known(mine) and mine not in self._claimed:
+                rid = mine
+        self._claimed.add(rid)  # until its handler ends: a D leg submits only after P's blocks are read
+        return rid
 
     def _kv_params(self, body: Any) -> KVParams:
         """The request's P/D role; ApiError 400 when this engine's ``kv_role`` cannot play it."""
@@ -451,9 +489,11 @@ class EmulatorServer:
         adapter = req.model if req.model in self._lora_ids else None
         hashes: list[int] = []
         if self.engine_config.enable_prefix_caching:
-            hashes = hash_blocks(req.prompt_ids, bs, extra_key(adapter))
+            hashes = hash_blocks(req.prompt_ids, bs, extra_key(adapter, req.cache_salt))
             if adapter is not None:
                 self._adapter_blocks.update(dict.fromkeys(hashes, adapter))
+            if req.cache_salt is not None and hashes:
+                self._salted[hashes[0]] = req.cache_salt
         return EngineRequest(
             rid, len(req.prompt_ids), req.max_tokens, tuple(hashes), req.prompt_ids, remote_prefill, hold
         )
@@ -547,6 +587,14 @@ class EmulatorServer:
     async def _generate(
         self, request: web.Request, req: GenerateRequest, rid: str, kvp: KVParams
     ) -> web.StreamResponse:
+        try:
+            return await self._answer(request, req, rid, kvp)
+        finally:
+            self._claimed.discard(rid)
+
+    async def _answer(
+        self, request: web.Request, req: GenerateRequest, rid: str, kvp: KVParams
+    ) -> web.StreamResponse:
         if req.stream:
             return await self._stream(request, req, rid, kvp)
         created = int(time.time())
@@ -560,7 +608,14 @@ class EmulatorServer:
         finally:
             await gen.aclose()
         text = self.tokenizer.decode(self._filler_ids(0, n))
-        body = full_response(req, rid, created, text, "length", usage(len(req.prompt_ids), n, cached))
+        body = full_response(
+            req,
+            rid,
+            created,
+            text,
+            "length",
+            usage(len(req.prompt_ids), n, cached, self.engine_config.block_size),
+        )
         if self.kv_transfer is not None:
             body["kv_transfer_params"] = (
                 self._transfer_params(rid, len(req.prompt_ids), cached) if kvp.remote_decode else None
@@ -589,16 +644,27 @@ class EmulatorServer:
                 self._transfer_params(rid, len(req.prompt_ids), cached)
             if req.include_usage:
                 await resp.write(
-                    _sse(usage_chunk(req, rid, created, usage(len(req.prompt_ids), sent, cached)))
+                    _sse(
+                        usage_chunk(
+                            req,
+                            rid,
+                            created,
+                            usage(len(req.prompt_ids), sent, cached, self.engine_config.block_size),
+                        )
+                    )
                 )
             await resp.write(b"data: [DONE]\n\n")
         except ApiError as exc:
             with contextlib.suppress(ConnectionError):
                 await resp.write(_sse(exc.body()))
                 await resp.write(b"data: [DONE]\n\n")
-        except (ConnectionError, asyncio.CancelledError):
+        except (ConnectionError, asyncio.CancelledError) as exc:
             await gen.aclose()  # aborts the request and frees its blocks
-            raise
+            self.disconnects += 1  # an ordinary event: counted, one debug line, no traceback
+            log.debug("request %s: client went away after %d tokens (%s)", rid, sent, type(exc).__name__)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return resp
         finally:
             await gen.aclose()
         with contextlib.suppress(ConnectionError):

@@ -367,6 +367,12 @@ class EngineModel:
         out, self._outputs = self._outputs, []
         return out
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache``: drop every cached block now; refused (False) while a
+        running request references one. Its ``AllBlocksCleared`` event is taken with the other KV
+        events of the next :meth:`take_events` (the emulator's next step, as vLLM publishes it)."""
+        return self.kv.pool.clear()
+
     def take_events(self) -> list[KVEvent]:
         """KV events recorded since the last call, oldest first."""
         return self.kv.take_events()

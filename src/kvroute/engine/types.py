@@ -89,7 +89,11 @@ class BlockStored:
     """Full blocks newly cached (vLLM's ``BlockStored``); ``token_ids`` covers all of them (may be
     empty when the engine does not know the tokens). ``lora_name``: the LoRA adapter whose request
     cached them (vLLM puts it in the block hash's extra keys; None: the base model); ``lora_id``:
-    the engine's integer id of that adapter (older vLLM sends only this one)."""
+    the engine's integer id of that adapter (older vLLM sends only this one). ``extra_keys``: one
+    entry per block, the extra keys vLLM hashed into it (``lora name + multimodal hashes +
+    cache_salt`` (first block of a prompt only) ``+ prompt-embedding hashes``; None for a block
+    without any), or None when the engine sends none (older vLLM, SGLang). ``group_idx``: the KV cache
+    group (vLLM hybrid models; None: not sent); ``kv_cache_spec_kind``: that group's kind, as sent."""
 
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None
@@ -97,6 +101,9 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     lora_name: str | None = None
+    extra_keys: tuple[tuple[object, ...] | None, ...] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,22 @@ Load as :mod:`kvroute.integrations.ray_serve` sees one replica, in the live rout
   the waiting count first, then the running count, and its prefill off the queued prefill
   (clamped at 0).
 
+**Where prefill ends.** A request's prefill ends at its first token, long before it completes (on
+the Ray example's emulated engine about 53 ms of a 266 ms request, docs/results/ray-serve.md); the
+live router sees the first byte and moves the request from
+waiting to running. A Ray router sees only dispatch and completion, so without more it would count
+every request routed since the snapshot as waiting with its whole prefill queued until it completes,
+and take a request that completed since the snapshot off the waiting count and the queued prefill
+although the snapshot most likely counted it as running: both inflate the load of the replica that
+served the latest turns, which is the replica holding their conversations. A replica that reports
+``ttft_p50_s`` (its engine's median time from a request's arrival to its first token over recent
+requests, seconds; the median, as a few requests queued behind a burst would skew a mean) lets the
+view place the end of each prefill at *reserved at* + ``ttft_p50_s`` × its chunks (its new prefill
+tokens over the replica's ``max_num_batched_tokens``, at least 1; 1 without the budget: the median
+request is taken as one chunk): a request routed since the snapshot and older than that counts as
+running with no prefill left; a completed request whose prefill ended by the snapshot comes off the
+running count only. Without the key, the rules above.
+
 Without a report every in-flight request counts as waiting with its new prefill queued, until it
 completes. A reservation is made when the core decides (so the next decision sees it at once),
 moved to the replica Ray actually sent the request to (``on_request_routed``: Ray may fall back to
@@ -46,6 +62,7 @@ STAT_KEYS = (
     "usage",
     "max_num_batched_tokens",
     "max_num_seqs",
+    "ttft_p50_s",
 )
 """The keys of a replica's ``record_routing_stats`` dict this adapter reads (all optional)."""
 
@@ -129,24 +146,49 @@ def _int(stats: Mapping[str, Any], key: str) -> int:
     return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v > 0 else 0
 
 
+def _seconds(stats: Mapping[str, Any], key: str) -> float | None:
+    v = stats.get(key)
+    if isinstance(v, int | float) and not isinstance(v, bool) and 0.0 <= v < float("inf"):
+        return float(v)
+    return None
+
+
 def instance_view(
     index: int,
     stats: Mapping[str, Any],
     inflight: list[tuple[float, int]],
     completed: list[tuple[float, float, int]] = (),  # type: ignore[assignment]
+    now: float | None = None,
 ) -> InstanceView:
     """The view of one replica: its ``stats`` (possibly empty) plus the ``inflight`` requests
     (reserved at, new prefill) routed to it since the stats' ``time`` (all of them without one),
-    minus the ``completed`` ones (reserved at, completed at, prefill) the stats still count."""
+    minus the ``completed`` ones (reserved at, completed at, prefill) the stats still count. With
+    ``now`` (seconds, the clock of the reservations) and the stats' ``ttft_p50_s``, requests whose
+    prefill has ended by the estimate count as running with no prefill (module docstring)."""
     since = stats.get("time")
     if isinstance(since, int | float) and not isinstance(since, bool) and "running" in stats:
-        late = [p for t, p in inflight if t > since]
-        gone = [p for t, done, p in completed if t <= since < done]
-        running, waiting = _int(stats, "running"), _int(stats, "waiting") + len(late)
-        off_waiting = min(len(gone), _int(stats, "waiting"))
+        ttft = _seconds(stats, "ttft_p50_s")
+        late = [(t, p) for t, p in inflight if t > since]
+        gone = [(t, p) for t, done, p in completed if t <= since < done]
+        if ttft is None:  # no estimate of where prefill ends: every one still prefilling
+            late_prefilling, late_running = [p for _, p in late], 0
+            gone_prefilling, gone_running = [p for _, p in gone], 0
+        else:
+            budget = _int(stats, "max_num_batched_tokens")
+
+            def ends(t: float, p: int) -> float:  # estimated end of the prefill of (reserved at, p)
+                return t + ttft * (max(1, -(-p // budget)) if budget else 1)
+
+            late_prefilling = [p for t, p in late if now is None or ends(t, p) > now]
+            late_running = len(late) - len(late_prefilling)
+            gone_prefilling = [p for t, p in gone if ends(t, p) > since]
+            gone_running = len(gone) - len(gone_prefilling)
+        running = _int(stats, "running") + late_running
+        waiting = _int(stats, "waiting") + len(late_prefilling)
+        off_waiting = min(len(gone_prefilling), _int(stats, "waiting"))
         waiting -= off_waiting
-        running = max(0, running - (len(gone) - off_waiting))
-        queued = max(0, _int(stats, "queued_prefill_tokens") - sum(gone)) + sum(late)
+        running = max(0, running - gone_running - (len(gone_prefilling) - off_waiting))
+        queued = max(0, _int(stats, "queued_prefill_tokens") - sum(gone_prefilling)) + sum(late_prefilling)
         usage = stats.get("kv_usage")
         return InstanceView(
             index=index,

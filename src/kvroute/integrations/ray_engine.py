@@ -16,13 +16,16 @@ Ray's overhead on a small machine rather than the routing. A malformed body yiel
 
 ``record_routing_stats()`` reports what :mod:`kvroute.integrations.ray_serve` reads (see
 :data:`kvroute.integrations.inflight.STAT_KEYS`): the model's load now, the wall ``time`` of the
-snapshot, ``usage`` (``[internal request id, cached tokens]`` of the last finished requests) and,
+snapshot, ``usage`` (``[internal request id, cached tokens]`` of the last finished requests),
+``ttft_p50_s`` (the median engine-side time from a request's submission to its first token over the
+last requests, seconds: the router's estimate of where a request's prefill ends) and,
 with ``kv_events=True``, ``kv_events_endpoint``: a ZMQ PUB socket (vLLM's wire format) on a free
 loopback port of the replica's machine, which makes the routers' view of this replica exact.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 import uuid
 from collections import deque
@@ -43,6 +46,7 @@ from kvroute.tokenizer import load_tokenizer
 __all__ = ["EmulatedEngine"]
 
 _USAGE_KEPT = 256  # finished requests reported in routing stats (newest last)
+_TTFT_KEPT = 64  # first-token times behind ttft_p50_s (the latest requests)
 
 
 class EmulatedEngine:
@@ -92,6 +96,7 @@ class EmulatedEngine:
         )
         self._started = False
         self._usage: deque[list[Any]] = deque(maxlen=_USAGE_KEPT)
+        self._ttfts: deque[float] = deque(maxlen=_TTFT_KEPT)  # seconds, submission → first token
         self._filler = [self.tokenizer.encode(" " + w)[0] for w in FILLER_WORDS]
         self.served = 0
 
@@ -125,6 +130,7 @@ class EmulatedEngine:
         key = ctx._internal_request_id or ctx.request_id or uuid.uuid4().hex
         rid = f"ray-{uuid.uuid4().hex}"
         hashes = tuple(hash_blocks(req.prompt_ids, self.config.block_size))
+        submitted = time.monotonic()
         queue = self.driver.submit(
             EngineRequest(rid, len(req.prompt_ids), req.max_tokens, hashes, req.prompt_ids)
         )
@@ -140,6 +146,7 @@ class EmulatedEngine:
                     return
                 if out.kind is OutputKind.FIRST_TOKEN:
                     cached = out.num_cached_tokens
+                    self._ttfts.append(time.monotonic() - submitted)
                     yield {"id": rid, "text": self._text(0, 1), "first": True}
                     sent = 1
                 done = out.kind is OutputKind.FINISHED
@@ -176,6 +183,8 @@ class EmulatedEngine:
             "usage": list(self._usage),
             "served": self.served,
         }
+        if self._ttfts:
+            stats["ttft_p50_s"] = statistics.median(self._ttfts)
         if self._endpoint is not None:
             stats["kv_events_endpoint"] = self._endpoint
         return stats

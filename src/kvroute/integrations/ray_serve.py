@@ -40,7 +40,8 @@ How it follows Ray's own routers (``PowerOfTwoChoicesRequestRouter``, Ray Serve 
 - Replicas report load through ``record_routing_stats`` (keys in
   :data:`kvroute.integrations.inflight.STAT_KEYS`; :mod:`kvroute.integrations.ray_engine` is an
   example): ``running``, ``waiting``, ``queued_prefill_tokens``, ``kv_usage``,
-  ``kv_capacity_blocks``, ``time``; ``usage``: ``[[internal_request_id, cached_tokens], ...]`` of
+  ``kv_capacity_blocks``, ``time``, ``ttft_p50_s`` (where a request's prefill ends: without it,
+  a request routed since the replica's last report counts as prefilling until it completes); ``usage``: ``[[internal_request_id, cached_tokens], ...]`` of
   recently finished requests (corrects the approximate view, as ``usage.prompt_tokens_details.cached_tokens``
   does in the live router); ``kv_events_endpoint`` (and ``kv_events_replay_endpoint``): a vLLM-style
   ZMQ KV event stream, which makes that replica's view exact (:class:`KVView`).
@@ -218,6 +219,7 @@ class KVRouteRequestRouter(RequestRouter):
         assert isinstance(pool, tuple)
         mine = self.inflight.load()
         done = self.inflight.completed()
+        now = self._get_curr_time_s()
         views = []
         for rid in pool:
             r = self._by_rid.get(rid)
@@ -225,7 +227,7 @@ class KVRouteRequestRouter(RequestRouter):
             if r is None or idx is None:
                 continue  # left since
             load = mine.get(rid, []) + self._others.get(rid, [])
-            views.append(instance_view(idx, r.routing_stats or {}, load, done.get(rid, [])))
+            views.append(instance_view(idx, r.routing_stats or {}, load, done.get(rid, []), now))
         return views
 
     def _decided(self, decision: Decision, req: RouteRequest, pr: PendingRequest | None, now: float) -> None:

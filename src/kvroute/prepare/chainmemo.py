@@ -9,7 +9,9 @@ under ``(node of pieces 0..i-1, key of piece i)``, where a node names a path of 
 gets their hashes from the memo and hashes only the rest, starting at the last full block.
 
 Invariant (tested): ``chain(pieces, suffix, key) == hash_blocks(concat(parts) + suffix, block_size,
-key)``. Bounded LRU of ``entries`` edges; not thread-safe (the router's event loop only).
+key)``. Bounded LRU of at most ``entries`` edges covering at most ``tokens`` tokens in all (an edge
+holds its piece's key and the hashes of the blocks ending in it: bounded by size, not only by count);
+not thread-safe (the router's event loop only).
 """
 
 from __future__ import annotations
@@ -30,12 +32,15 @@ _Node = int | tuple[str, str | bytes | None]
 class ChainMemo:
     """See the module docstring. ``hits``/``misses`` count pieces served from / added to the memo."""
 
-    def __init__(self, block_size: int, entries: int = 65536) -> None:
+    def __init__(self, block_size: int, entries: int = 65536, tokens: int = 2_000_000) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.block_size = block_size
         self._max = entries
-        self._edges: OrderedDict[tuple[_Node, PieceKey], tuple[int, tuple[int, ...]]] = OrderedDict()
+        self._max_tokens = tokens
+        self.tokens = 0  # tokens covered by the edges' pieces (invariant: <= the bound)
+        # (parent node, piece key) -> (child node, hashes of the blocks ending in it, piece tokens)
+        self._edges: OrderedDict[tuple[_Node, PieceKey], tuple[int, tuple[int, ...], int]] = OrderedDict()
         self._ids = itertools.count(1)
         self.hits = 0
         self.misses = 0
@@ -57,7 +62,7 @@ class ChainMemo:
             if hit is None:
                 break
             edges.move_to_end((node, key))
-            node, blocks = hit
+            node, blocks, _ = hit
             chain.extend(blocks)
             pos += len(part)
             i += 1
@@ -96,8 +101,12 @@ class ChainMemo:
             if hi - first > len(new):  # ends in the suffix's blocks or beyond: not this piece's alone
                 break
             child = next(self._ids)
-            edges[(node, key)] = (child, tuple(new[lo - first : hi - first]))
+            old = edges.get((node, key))
+            if old is not None:
+                self.tokens -= old[2]
+            edges[(node, key)] = (child, tuple(new[lo - first : hi - first]), len(part))
+            self.tokens += len(part)
             self.misses += 1
             node, pos = child, end
-        while len(edges) > self._max:
-            edges.popitem(last=False)
+        while len(edges) > self._max or self.tokens > self._max_tokens:
+            self.tokens -= edges.popitem(last=False)[1][2]

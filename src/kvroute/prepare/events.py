@@ -4,11 +4,16 @@ Wire format (vLLM ``ZmqEventPublisher``): multipart ``(topic, seq, payload)`` wi
 big-endian; replay: a DEALER sends ``(b"", start_seq)`` to the engine's ROUTER socket, which answers
 ``(b"", seq, payload)`` per buffered batch with ``seq >= start_seq``, then ``(b"", -1, b"")``.
 
+On subscribe (a router started after its engines) everything the engine still buffers is replayed
+at once, before the first live batch; until then the backend is routed on ``max(exact, approximate)``.
+
 Gap handling: the next expected sequence number is ``last + 1``. A batch with a larger number means
-batches were lost (ZMQ drops on overflow, or the router joined late): they are replayed when a replay
-endpoint is configured; if replay is absent or incomplete, the backend's exact view is reset (see
-:meth:`KVView.reset`). A smaller number means the engine restarted: its cache is empty, so the
-backend's view is cleared and the new numbering is followed.
+batches were lost (ZMQ drops on overflow): they are replayed when a replay endpoint is configured; if
+replay is absent or incomplete, the backend's exact view is reset (see :meth:`KVView.reset`). When
+the engine's replay buffer no longer starts where asked (it keeps its last ``buffer_steps`` batches),
+the view is reset and the buffered batches are applied: partial, so approximate help continues for
+``recovery_s``. A smaller number means the engine restarted: its cache is empty, so the backend's
+view is cleared and the new numbering is followed.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ def _recv_now(sock: zmq.asyncio.Socket) -> list[bytes]:
 
 class EventSubscriber:
     """Feeds ``kv`` from ``endpoint`` for backend ``backend``. Counters: ``batches``, ``gaps``,
-    ``replayed``, ``resets``, ``bad``. Run with :meth:`run` as a task; cancel it to stop."""
+    ``replayed``, ``resets``, ``bad``, ``partial`` (replays whose buffer no longer reached back to the
+    batch asked for). ``synced`` is set once the replay asked for on subscribe has ended (whatever
+    its outcome). Run with :meth:`run` as a task; cancel it to stop."""
 
     def __init__(
         self,
@@ -65,6 +72,8 @@ class EventSubscriber:
         self.replayed = 0
         self.resets = 0
         self.bad = 0
+        self.partial = 0
+        self.synced = asyncio.Event()
 
     async def run(self) -> None:
         sock = self.ctx.socket(zmq.SUB)
@@ -72,6 +81,7 @@ class EventSubscriber:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(self.endpoint)
         try:
+            await self._catch_up(sock)
             while True:
                 frames = await sock.recv_multipart()
                 while True:
@@ -84,7 +94,43 @@ class EventSubscriber:
                     except zmq.Again:
                         break
         finally:
+            self.synced.set()
             sock.close(0)
+
+    async def _catch_up(self, sock: zmq.asyncio.Socket) -> None:
+        """On subscribe, before the first live batch: replay everything the engine still buffers, so
+        that a router started after its engines knows their caches at once. Until it has caught up
+        the backend's view is ``max(exact, approximate)`` (:meth:`KVView.begin_sync`); a replay that
+        fails leaves it recovering (as after a gap) and the first live batch decides; the live
+        batches queued meanwhile that the replay already applied are dropped."""
+        if self.replay_endpoint is None:
+            self.synced.set()
+            return
+        self.kv.begin_sync(self.backend)
+        outcome = await self._replay(0, None)
+        if outcome == "complete":
+            self.kv.end_sync(self.backend, self.clock())
+        elif outcome == "failed":
+            self.kv.reset(self.backend, self.clock())
+            log.info("backend %d: no KV event replay on subscribe; approximate view for now", self.backend)
+        self.synced.set()
+        last = self.last_seq
+        while last is not None:  # live batches queued during the replay
+            try:
+                frames = _recv_now(sock)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                self.bad += 1
+                continue
+            try:
+                seq = decode_seq(frames[-2])
+            except KVEventDecodeError:
+                self.bad += 1
+                continue
+            if seq > last:
+                await self.handle(frames[-2], frames[-1])
+                last = self.last_seq
 
     async def handle(self, seq_frame: bytes, payload: bytes) -> None:
         """Process one received batch (gap check, replay, apply)."""
@@ -104,7 +150,7 @@ class EventSubscriber:
         elif (last is None and seq > 0) or (last is not None and seq > last + 1):
             start = 0 if last is None else last + 1
             self.gaps += 1
-            if not await self._replay(start, seq):
+            if await self._replay(start, seq) == "failed":
                 self.resets += 1
                 self.kv.reset(self.backend, self.clock())
                 log.warning(
@@ -126,35 +172,57 @@ class EventSubscriber:
         self.batches += 1
         self.kv.apply_events(self.backend, events)
 
-    async def _replay(self, start: int, stop: int) -> bool:
-        """Replay batches ``start..stop-1``; True when all of them were applied."""
+    async def _replay(self, start: int, stop: int | None) -> str:
+        """Replay batches ``start..stop-1`` (``stop`` None: up to the last one buffered), applying
+        them in order. Returns ``"complete"`` when all were applied; ``"partial"`` when the engine's
+        buffer no longer reaches back to ``start`` (vLLM keeps its last ``buffer_steps`` batches): the
+        view is reset (recovering, counted in ``partial``) and the batches from the first buffered
+        one on are applied; ``"failed"`` for no replay endpoint, a timeout (``replay_timeout_s`` per
+        message), a malformed answer or a hole after the first replayed batch."""
         if self.replay_endpoint is None:
-            return False
+            return "failed"
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.replay_endpoint)
         expected = start
+        partial = ended = False
         try:
             await sock.send_multipart([b"", encode_seq(start)])
-            async with asyncio.timeout(self.replay_timeout_s):
-                while True:
+            while True:
+                async with asyncio.timeout(self.replay_timeout_s):
                     frames = await sock.recv_multipart()
-                    if len(frames) < 2:
-                        return False
-                    seq_frame, payload = frames[-2], frames[-1]
-                    if seq_frame == END_SEQ:
-                        break
-                    seq = decode_seq(seq_frame)
-                    if seq < expected:
-                        continue
-                    if seq != expected or seq >= stop:
-                        break
-                    self._apply(seq, payload)
-                    self.replayed += 1
-                    expected += 1
+                if len(frames) < 2:
+                    break
+                seq_frame, payload = frames[-2], frames[-1]
+                if seq_frame == END_SEQ:
+                    ended = True
+                    break
+                seq = decode_seq(seq_frame)
+                if seq < expected:
+                    continue
+                if stop is not None and seq >= stop:
+                    break
+                if seq > expected:
+                    if expected != start:
+                        break  # a hole inside the buffer
+                    partial = True  # the buffer starts after what we asked for: what came before is lost
+                    self.partial += 1
+                    self.kv.reset(self.backend, self.clock())
+                    log.warning(
+                        "backend %d: KV event replay starts at %d, not %d: partial view, approximate for now",
+                        self.backend,
+                        seq,
+                        start,
+                    )
+                self._apply(seq, payload)
+                self.replayed += 1
+                expected = seq + 1
         except (TimeoutError, KVEventDecodeError, zmq.ZMQError):
             pass
         finally:
             with contextlib.suppress(zmq.ZMQError):
                 sock.close(0)
-        return expected == stop
+        done = ended if stop is None else expected == stop
+        if not done:
+            return "failed"
+        return "partial" if partial else "complete"

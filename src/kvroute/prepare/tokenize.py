@@ -89,17 +89,24 @@ _PRIOR_RATIO = 0.25  # ... 4 characters per token (English text, BPE)
 
 
 class RequestTokenizer:
-    """Tokenizes prompts and chats; ``cache_entries`` bounds the piece cache (0 disables it).
+    """Tokenizes prompts and chats; the piece cache holds at most ``cache_entries`` pieces (0
+    disables it) and at most ``cache_tokens`` token ids in all (a piece longer than that is not
+    cached): bounded by what it holds, not only by how many pieces, so a few huge prompts cannot
+    grow it without bound (about 40 bytes per cached token id, text key included).
 
     Mutates only its own cache, its hit/miss counters and its tokens-per-character estimate; safe to
     call from several threads (the cache is locked, the tokenizer itself runs outside the lock and
     releases the GIL).
     """
 
-    def __init__(self, tokenizer: Tokenizer, cache_entries: int = 65536) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, cache_entries: int = 65536, cache_tokens: int = 2_000_000
+    ) -> None:
         self.tokenizer = tokenizer
         self._cache: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
         self._max = cache_entries
+        self._max_tokens = cache_tokens
+        self.cached_tokens = 0  # token ids held by the cache (invariant: <= cache_tokens)
         self._lock = threading.Lock()  # the proxy may tokenize long prompts on a worker thread
         self.hits = 0
         self.misses = 0
@@ -207,10 +214,14 @@ class RequestTokenizer:
                     chars += len(texts[i])
                     tokens += len(ids)
                     key = keys[i]
-                    if key is not None and self._max:
+                    if key is not None and self._max and len(ids) <= self._max_tokens:
+                        old = cache.get(key)
+                        if old is not None:  # another thread cached it meanwhile
+                            self.cached_tokens -= len(old)
                         cache[key] = ids
-                while len(cache) > self._max:
-                    cache.popitem(last=False)
+                        self.cached_tokens += len(ids)
+                while len(cache) > self._max or self.cached_tokens > self._max_tokens:
+                    self.cached_tokens -= len(cache.popitem(last=False)[1])
                 self._chars += chars
                 self._tokens += tokens
         out = list(pending.known_pieces)

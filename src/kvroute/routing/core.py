@@ -13,7 +13,9 @@ One decision, in order:
 3. **KV match**: one walk of the request's block chain over the KV view (:class:`KVView`) gives the
    cached prefix on every candidate, capped at ``(prompt_tokens − 1) // block_size`` blocks: the engine
    always computes at least one prompt token (vLLM does the same), so P-token is never below 1 and
-   fully cached candidates are still ordered by their load.
+   fully cached candidates are still ordered by their load. An engine whose block size is not the
+   router's (learned per backend, :meth:`KVView.cached_tokens`) hits whole engine blocks only: its
+   cached prefix is cut down to them, as vLLM counts ``cached_tokens``.
 4. **Policy** (any registry policy, wrapped by :class:`~kvroute.routing.guarded.Guarded` when features
    are on): the choice, every candidate's score, and the reason.
 
@@ -212,9 +214,13 @@ class RoutingCore:
             if wait:
                 return self._refused(req, views, wait)
             key = guard.note(req.chain, bs, now, req.token_ids, req.model)
-        matched = self.kv.match(req.chain, now)
-        cap = (prompt - 1) // bs if prompt > 0 else 0
-        cached = tuple([(m if m < cap else cap) * bs for m in (matched[v.index] for v in views)])
+        kv = self.kv
+        matched = kv.match(req.chain, now)
+        if kv.engine_blocks:
+            cached = tuple([kv.cached_tokens(v.index, matched[v.index], prompt) for v in views])
+        else:  # every engine's block size is the router's (the common case: no per-backend lookup)
+            cap = (prompt - 1) // bs if prompt > 0 else 0
+            cached = tuple([(m if m < cap else cap) * bs for m in (matched[v.index] for v in views)])
         rv = RequestView(
             prompt_tokens=prompt,
             cached_tokens=cached,

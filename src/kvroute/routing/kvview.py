@@ -15,7 +15,11 @@ the same methods, so the simulator simulates what the router sees.
   A block cached for a LoRA adapter (``BlockStored.lora_name``) is re-hashed with that adapter as
   extra key (:func:`kvroute.blocks.extra_key`), as the router hashes a request for the adapter, so
   adapter blocks never match base-model requests; a block with a ``lora_id`` but no name (older
-  engines) is skipped (its name is unknown). Events whose blocks are not the router's blocks (SGLang
+  engines) is skipped (its name is unknown). The blocks' ``extra_keys`` (vLLM 0.32) are honoured the
+  same way (:func:`kvroute.blocks.event_key`): a ``cache_salt`` in a prompt's first block is recorded
+  as that salt's chain, so a salted prefix matches only requests with the same salt (which the
+  request side hashes into their first block, as vLLM), and blocks with multimodal or embedding
+  keys are recorded under keys no text request has. Events whose blocks are not the router's blocks (SGLang
   sends one event per *page*, 1 token by default; an engine may use a larger block size) are
   **re-blocked**: each engine block keeps the router hash of the last full router block before its
   end and the tokens after it, and stores the router blocks it completes; its ``BlockRemoved``
@@ -26,6 +30,14 @@ the same methods, so the simulator simulates what the router sees.
   cleared and, for ``recovery_s`` seconds, its match is ``max(exact, approximate)`` (new events are
   exact; the history covers what was cached before the gap); then it is exact again.
 
+Shortfall evidence (backends with KV events, :meth:`KVView.on_usage`): a response whose real
+``cached_tokens`` is below half the prediction and short by at least one engine block drops that
+backend's history and,
+unless an ``AllBlocksCleared`` reached the view after the request was routed, its exact entries,
+keeping the request's own prompt (see ``_shortfall``). vLLM publishes ``AllBlocksCleared`` only with
+its next step, so the requests routed between a reset and that step are mispredicted; the ones after
+are not.
+
 Correction in approximate mode (:meth:`KVView.on_usage`): when a response reports
 ``usage.prompt_tokens_details.cached_tokens``, the router compares it with its prediction for that
 backend: fewer cached blocks than predicted means the backend evicts sooner than believed, so its LRU
@@ -35,18 +47,31 @@ missed blocks (up to the configured capacity). Additive increase, multiplicative
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from itertools import groupby
 
-from kvroute.blocks import extra_key, hash_blocks
+from kvroute.blocks import event_key, extra_key, hash_blocks
 from kvroute.engine.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvroute.index import ApproxPrefixIndex, PrefixIndex
 
 __all__ = ["KVView"]
 
 _SHRINK = 0.9
+_EPOCHS = 65536  # routed requests remembered for the shortfall evidence (oldest forgotten first)
 
 
 _Page = tuple[int | None, tuple[int, ...], tuple[int, ...]]
+_Keys = str | bytes | None | list[str | bytes | None]  # one key for all of an event's blocks, or one each
+
+
+def _block_keys(ev: BlockStored) -> _Keys:
+    """The router's extra key of each of ``ev``'s blocks (:func:`kvroute.blocks.event_key`): one key
+    when they all have the same (the common case), else a list with one per block."""
+    if ev.extra_keys is None or not any(ev.extra_keys):
+        return extra_key(ev.lora_name)
+    keys = [event_key(ev.lora_name, k) for k in ev.extra_keys]
+    return keys[0] if keys.count(keys[0]) == len(keys) else keys
 
 
 class KVView:
@@ -91,8 +116,17 @@ class KVView:
         self.history = history
         self.skipped_blocks = 0  # BlockStored blocks dropped (unknown parent, no tokens, block size)
         self.corrections = 0
+        self.shortfalls: dict[int, int] = {}  # per backend: responses far below the prediction
+        self._clears: dict[int, int] = {}  # per backend: AllBlocksCleared events and resets applied
+        # (backend, a routed chain's last block) -> the backend's clears when it was routed
+        self._routed_epoch: OrderedDict[tuple[int, int], int] = OrderedDict()
         # Called with the backend index on AllBlocksCleared (cold start: the backend warms up again).
         self.on_cleared: Callable[[int], None] | None = None
+        # Per backend: the engine's own block size, tokens, as learned (BlockStored.block_size, the
+        # engine's cache_config_info); absent: assumed equal to ``block_size``.
+        self.engine_blocks: dict[int, int] = {}
+        # Called with (backend, engine block size) when a backend's learned size changes.
+        self.on_engine_block_size: Callable[[int, int], None] | None = None
 
     def _now(self, now: float) -> float:
         # The approximate index refuses time going backwards; keep ours monotone.
@@ -100,6 +134,29 @@ class KVView:
             now = self._last_now
         self._last_now = now
         return now
+
+    def engine_block_size(self, backend: int) -> int:
+        """The engine block size of ``backend`` in tokens (the router's own until one is learned)."""
+        return self.engine_blocks.get(backend, self.block_size)
+
+    def set_engine_block_size(self, backend: int, tokens: int) -> None:
+        """``backend``'s engine caches in blocks of ``tokens`` (from its metrics or events); calls
+        ``on_engine_block_size`` when that changes what was known. Ignores ``tokens < 1``."""
+        if tokens >= 1 and self.engine_blocks.get(backend) != tokens:
+            self.engine_blocks[backend] = tokens
+            if self.on_engine_block_size is not None:
+                self.on_engine_block_size(backend, tokens)
+
+    def cached_tokens(self, backend: int, matched_blocks: int, prompt_tokens: int) -> int:
+        """The prompt tokens ``backend`` will serve from its cache, given ``matched_blocks`` router
+        blocks of the prompt known cached there: vLLM hits whole engine blocks only, and never the
+        prompt's last token (it always computes one), so the matched prefix is cut to
+        ``prompt_tokens - 1`` and then down to whole engine blocks. Pure."""
+        tokens = min(matched_blocks * self.block_size, prompt_tokens - 1)
+        if tokens <= 0:
+            return 0
+        ebs = self.engine_blocks.get(backend, self.block_size)
+        return tokens - tokens % ebs
 
     def mode(self, backend: int, now: float) -> str:
         """``"approx"``, ``"exact"`` or ``"recovering"``."""
@@ -126,6 +183,7 @@ class KVView:
         self._hash_maps.pop(backend, None)
         self._pages.pop(backend, None)
         self._recover_until.pop(backend, None)
+        self.engine_blocks.pop(backend, None)
         self._removed.add(backend)
 
     def set_exact(self, backend: int, exact: bool, now: float) -> None:
@@ -167,6 +225,11 @@ class KVView:
 
     def on_routed(self, backend: int, chain: Sequence[int], now: float) -> None:
         """A request with block ``chain`` was sent to ``backend`` (records the routing history)."""
+        if chain and backend in self._exact_set:  # which clears had reached the view (see _shortfall)
+            epochs = self._routed_epoch
+            epochs[(backend, chain[-1])] = self._clears.get(backend, 0)
+            if len(epochs) > _EPOCHS:
+                epochs.popitem(last=False)
         if chain and (self.history or backend not in self._exact_set):
             self.approx.assign(backend, chain, self._now(now))
 
@@ -174,7 +237,10 @@ class KVView:
         self, backend: int, chain: Sequence[int], cached_tokens: int, predicted_blocks: int, now: float
     ) -> None:
         """The engine reported ``cached_tokens`` for a request predicted to hit ``predicted_blocks``
-        on ``backend``: adjust that backend's approximate capacity (approximate mode only)."""
+        on ``backend``: adjust that backend's approximate capacity (approximate mode only); on any
+        backend, a shortfall is evidence (:meth:`_shortfall`)."""
+        if self._shortfall(backend, chain, cached_tokens, predicted_blocks, now):
+            return
         if backend in self._exact_set and self.mode(backend, now) == "exact":
             return
         reported = min(cached_tokens // self.block_size, len(chain))
@@ -190,15 +256,56 @@ class KVView:
             self.corrections += 1
             self.approx.set_capacity(backend, new)
 
+    def _shortfall(
+        self, backend: int, chain: Sequence[int], cached_tokens: int, predicted_blocks: int, now: float
+    ) -> bool:
+        """A real ``cached_tokens`` far below the prediction (below half of it, and short by at least
+        one engine block) is evidence that ``backend`` lost what the view says it holds: a
+        prefix-cache reset (vLLM publishes its ``AllBlocksCleared`` only with its next step), or
+        evictions whose events were lost. Counted per backend in ``shortfalls``. On a backend with
+        KV events (True is returned): its routing history is dropped (it believed the lost blocks
+        too), and so is its exact view, unless a clear reached the view after the request was routed
+        (the event explained the shortfall, and what was stored since is real); either way the
+        engine now holds this request's prompt (it just computed it), in whole engine blocks: that is
+        kept. An approximate backend's capacity correction handles it (False)."""
+        predicted = predicted_blocks * self.block_size
+        ebs = self.engine_block_size(backend)
+        if not (cached_tokens * 2 < predicted and predicted - cached_tokens >= ebs):
+            return False
+        self.shortfalls[backend] = self.shortfalls.get(backend, 0) + 1
+        if backend not in self._exact_set:
+            return False
+        held = chain[: len(chain) * self.block_size // ebs * ebs // self.block_size]
+        self.approx.clear(backend)
+        if held:
+            self.approx.assign(backend, held, self._now(now))
+        epoch = self._routed_epoch.pop((backend, chain[-1]), None) if chain else None
+        if epoch is not None and epoch != self._clears.get(backend, 0):
+            return True
+        self.exact.clear(backend)  # the engine-hash maps stay: later BlockRemoved events still resolve
+        self.exact.store(backend, held)
+        return True
+
     def expire(self, now: float) -> int:
         """Drop approximate entries past their TTL; returns how many."""
         return self.approx.expire(self._now(now))
 
     # ---- exact view ----------------------------------------------------------------------------
 
+    def begin_sync(self, backend: int) -> None:
+        """``backend``'s exact view is being filled from a replay (a router started after its
+        engines): until :meth:`end_sync` (or :meth:`reset`) its match is ``max(exact, approximate)``."""
+        self._recover_until[backend] = float("inf")
+
+    def end_sync(self, backend: int, now: float) -> None:
+        """The replay caught up: ``backend`` is exact again (unless a reset made it recover)."""
+        if self._recover_until.get(backend) == float("inf"):
+            self._recover_until[backend] = now
+
     def reset(self, backend: int, now: float) -> None:
         """The event stream of ``backend`` has an unrecoverable gap: clear its exact entries and use
         ``max(exact, approximate)`` for ``recovery_s`` seconds."""
+        self._clears[backend] = self._clears.get(backend, 0) + 1
         self.exact.clear(backend)
         self._hash_maps.setdefault(backend, {}).clear()
         self._pages.pop(backend, None)
@@ -226,6 +333,7 @@ class KVView:
                 if ours:
                     self.exact.remove(backend, ours)
             elif isinstance(ev, AllBlocksCleared):
+                self._clears[backend] = self._clears.get(backend, 0) + 1
                 self.exact.clear(backend)
                 hmap.clear()
                 self._pages.pop(backend, None)
@@ -233,6 +341,8 @@ class KVView:
                     self.on_cleared(backend)
 
     def _stored(self, backend: int, hmap: dict[int, int], ev: BlockStored) -> None:
+        if ev.block_size > self.engine_blocks.get(backend, 0):  # SGLang: a node's last page may be shorter
+            self.set_engine_block_size(backend, ev.block_size)
         if not self.rehash:
             self.exact.store(backend, ev.block_hashes)
             return
@@ -242,7 +352,7 @@ class KVView:
         if len(ev.token_ids) != n * ebs or (ev.lora_id is not None and ev.lora_name is None):
             self.skipped_blocks += n
             return
-        key = None if ev.lora_name is None else extra_key(ev.lora_name)
+        keys = _block_keys(ev)
         tail: tuple[int, ...] = ()
         if ev.parent_block_hash is None:
             parent = None
@@ -255,9 +365,17 @@ class KVView:
                     return
                 parent, tail, _ = page
         if ebs != bs or tail:
-            self._reblocked(backend, ev, parent, tail, key)
+            self._reblocked(backend, ev, parent, tail, keys)
             return
-        ours = hash_blocks(ev.token_ids, bs, key, parent=parent)
+        if isinstance(keys, list):  # the blocks' keys differ: hash each run of equal keys
+            ours = []
+            start = 0
+            for key, run in groupby(keys):
+                end = start + len(list(run))
+                ours += hash_blocks(ev.token_ids[start * bs : end * bs], bs, key, parent=parent)
+                parent, start = ours[-1], end
+        else:
+            ours = hash_blocks(ev.token_ids, bs, keys, parent=parent)
         for eh, oh in zip(ev.block_hashes, ours, strict=True):
             hmap[eh] = oh
         self.exact.store(backend, ours)
@@ -268,7 +386,7 @@ class KVView:
         ev: BlockStored,
         parent: int | None,
         tail: tuple[int, ...],
-        key: str | bytes | None,
+        keys: _Keys,
     ) -> None:
         """Store ``ev``'s engine blocks, whose size is not the router's, as the router blocks they
         complete (see the module docstring); ``parent``/``tail``: the state after the parent block."""
@@ -281,6 +399,7 @@ class KVView:
             full = len(tokens) // bs
             done: tuple[int, ...] = ()
             if full:
+                key = keys[i] if isinstance(keys, list) else keys
                 done = tuple(hash_blocks(tokens[: full * bs], bs, key, parent=parent))
                 parent = done[-1]
                 stored.extend(done)

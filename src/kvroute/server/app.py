@@ -44,8 +44,10 @@ from kvroute.server.sync.fleet import STATIC, Changes, Fleet
 from kvroute.server.sync.journal import AdminJournal
 from kvroute.server.sync.monitor import Monitor
 from kvroute.server.sync.peers import PeerCollector, PeerLink, PeerSettings
+from kvroute.server.sync.scrape import Scraper, ScrapeSchedule
 from kvroute.server.wire.h1 import H1Transport
 from kvroute.server.wire.http import error_response
+from kvroute.server.wire.httperrors import JsonErrorRunner, RateLimitedLog, json_errors
 from kvroute.server.wire.transport import Transport, UpstreamError
 from kvroute.server.wire.validate import ApiError
 from kvroute.tokenizer import Tokenizer, load_tokenizer
@@ -56,6 +58,12 @@ log = logging.getLogger("kvroute.server")
 
 _ABORT_WAIT_S = 5.0
 """Seconds a shutdown waits for the requests it ended to write their last bytes."""
+
+
+SYNC_WAIT_S = 1.5
+"""At start, how long (seconds) the router waits for its engines' KV event replays (asked for on
+subscribe) before it returns from :meth:`RouterServer.start`; an engine that does not answer by then
+is routed approximately until its replay or its events arrive."""
 
 
 class RouterServer:
@@ -93,7 +101,7 @@ class RouterServer:
         tok = tokenizer or load_tokenizer(config.tokenizer, chat_template=config.chat_template)
         self.state = RouterState(
             config,
-            RequestTokenizer(tok, config.tokenizer_cache_entries),
+            RequestTokenizer(tok, config.tokenizer_cache_entries, config.tokenizer_cache_tokens),
             make_policy(config.policy),
             clock,
             table,
@@ -107,6 +115,11 @@ class RouterServer:
         recording = TrafficRecording(config.record, config.block_size) if config.record else None
         self.proxy = Proxy(self.state, self.transport, self.observer, recording)
         self.monitor = Monitor(self.state, self.transport)
+        self.scraper = Scraper(
+            self.state,
+            self.monitor,
+            ScrapeSchedule.of(self.config.scrape_interval_s, self.config.scrape_idle_interval_s),
+        )
         self.background = background
         self.subscribers: list[EventSubscriber] = []  # live KV event subscribers (the fleet's)
         self.fleet = Fleet(self.state, self.monitor, self.subscribers)
@@ -123,6 +136,7 @@ class RouterServer:
         # --workers: admin changes made on a sibling worker (kvroute.server.sync.journal), replayed here
         self.journal = AdminJournal(admin_journal) if admin_journal is not None else None
         self.url = ""
+        self.bad_requests = RateLimitedLog()  # one line a second per kind of bad request (wire.httperrors)
 
     def _register_features(self) -> None:
         """(Re-)register the production features' collector for the current guard, if any."""
@@ -152,7 +166,9 @@ class RouterServer:
 
     def make_app(self) -> web.Application:
         # The body limit is enforced by the proxy (OpenAI-style 413), so aiohttp's own is lifted.
-        app = web.Application(client_max_size=self.config.max_body_bytes + 1)
+        app = web.Application(
+            client_max_size=self.config.max_body_bytes + 1, middlewares=[json_errors(self.bad_requests)]
+        )
         app.router.add_post("/v1/completions", self.proxy.completions)
         app.router.add_post("/v1/chat/completions", self.proxy.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -167,7 +183,9 @@ class RouterServer:
 
     async def start(self) -> str:
         """Bind and start; returns the base URL (``http://host:port``)."""
-        runner = web.AppRunner(self.make_app(), access_log=None, handler_cancellation=True)
+        runner = JsonErrorRunner(
+            self.make_app(), self.bad_requests, access_log=None, handler_cancellation=True
+        )
         await runner.setup()
         site = web.TCPSite(
             runner, self.config.host, self.config.port, backlog=1024, reuse_port=self.reuse_port or None
@@ -179,6 +197,7 @@ class RouterServer:
         self.url = f"http://{self.config.host}:{port}"
         if self.background:
             self._start_background()
+            await self.fleet.wait_synced(SYNC_WAIT_S)
         return self.url
 
     def _start_background(self) -> None:
@@ -189,7 +208,7 @@ class RouterServer:
         if self.peers is not None:
             self._tasks.extend(self.peers.start())
         self._tasks.append(asyncio.create_task(self.monitor.health_loop()))
-        self._tasks.append(asyncio.create_task(self.monitor.scrape_loop()))
+        self._tasks.append(asyncio.create_task(self.scraper.run()))
         self._tasks.append(asyncio.create_task(self.monitor.models_loop()))
         self._tasks.append(asyncio.create_task(self.fleet.reap_loop()))
         self._tasks.extend(asyncio.create_task(w) for w in self.discovery.watchers())

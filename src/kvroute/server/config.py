@@ -17,7 +17,7 @@ The command-line flags and the YAML file that build it are read by :mod:`kvroute
     tokenize: exact                           # or defer: see RouterConfig.tokenize
     block_size: 16
     max_body_bytes: 33554432
-    scrape_interval_s: 0.05
+    scrape_interval_s: 0.05                   # while load moves; up to scrape_idle_interval_s (1.0) idle
     health_interval_s: 1.0
     drain_grace_s: 2.0                        # SIGTERM: /health 503 at once, new requests refused after
     drain_timeout_s: 30.0                     # in-flight requests awaited this long, then ended
@@ -95,12 +95,15 @@ class RouterConfig:
     - ``eject_after``: consecutive failed health checks before a backend is ejected (a connection error
       on a request ejects at once); ``readmit_after``: consecutive good checks to re-admit it.
     - ``scrape_stale_s``: scraped engine metrics older than this are ignored in the load view.
+    - ``scrape_interval_s``, ``scrape_idle_interval_s``: the scrape interval while the load moves, and
+      the longest one while it does not (:mod:`kvroute.server.sync.scrape`; one scraper per machine).
     - ``approx_capacity_blocks``: per-backend capacity of the approximate KV view (0 → use the
       engine's pool size when known, else 16384 blocks); ``approx_ttl_s``: entries older than this
       are dropped.
     - ``kv_recovery_s``: after an unrecovered event gap the backend's exact view is cleared and the
       approximate view is used (merged with new events) for this long.
-    - ``tokenizer_cache_entries``: per-message token cache size (messages).
+    - ``tokenizer_cache_entries``: per-message token cache size (messages); ``tokenizer_cache_tokens``:
+      the most token ids it holds in all (about 40 bytes each; the block-hash memo has the same bound).
     - ``chat_template``: a Jinja chat template file (see :mod:`kvroute.chat_template`); by default
       the tokenizer folder's own template, else ChatML.
     - ``tokenize``: ``"exact"`` (default) tokenizes the whole prompt before routing. ``"defer"``
@@ -127,7 +130,8 @@ class RouterConfig:
     - ``discover``: discovery sources, ``dns://NAME:PORT`` or ``file://PATH`` (see
       :mod:`kvroute.server.sync.discovery`), checked every ``discover_interval_s`` seconds; the backends
       they list join ``backends`` (which discovery never removes). ``discover_kv_events``: the KV event
-      endpoint of a DNS-discovered backend, a template with ``{host}`` (None: approximate view).
+      endpoint of a DNS-discovered backend, a template with ``{host}`` (None: approximate view). In a
+      P/D fleet a source takes a role, ``prefill=dns://...`` or ``decode=...`` (``kvroute.server.pd``).
     - ``models_interval_s``: how often each backend's ``/v1/models`` is read again (model pools).
     - ``peer_bind``, ``peers``, ``peer_expiry_s``, ``peer_refresh_s``: router replicas that share their
       reservations (:mod:`kvroute.server.sync.peers`): receive the other replicas' at ``peer_bind``
@@ -150,6 +154,7 @@ class RouterConfig:
     block_size: int = 16
     max_body_bytes: int = 32 * 1024 * 1024
     scrape_interval_s: float = 0.05
+    scrape_idle_interval_s: float = 1.0
     scrape_stale_s: float = 1.0
     health_interval_s: float = 1.0
     health_timeout_s: float = 1.0
@@ -162,6 +167,7 @@ class RouterConfig:
     approx_ttl_s: float = 600.0
     kv_recovery_s: float = 30.0
     tokenizer_cache_entries: int = 65536
+    tokenizer_cache_tokens: int = 2_000_000
     tokenize: str = "exact"
     retry_after_s: int = 1
     drain_grace_s: float = 2.0
@@ -197,6 +203,7 @@ class RouterConfig:
                 "at least one backend is needed (--backend URL, 'backends' in the config, or --discover)"
             )
         for src in self.discover:
+            src = src.removeprefix("prefill=").removeprefix("decode=")  # a role: P/D mode
             if not src.startswith(("dns://", "file://")):
                 raise UserError(f"config: discover {src!r} must be dns://NAME:PORT or file://PATH")
         if self.discover_kv_events is not None and not self.discover_kv_events.startswith(
@@ -221,6 +228,7 @@ class RouterConfig:
             ("block_size", self.block_size >= 1),
             ("max_body_bytes", self.max_body_bytes >= 1024),
             ("scrape_interval_s", self.scrape_interval_s > 0),
+            ("scrape_idle_interval_s", self.scrape_idle_interval_s > 0),
             ("health_interval_s", self.health_interval_s > 0),
             ("health_timeout_s", self.health_timeout_s > 0),
             ("eject_after", self.eject_after >= 1),
@@ -232,6 +240,7 @@ class RouterConfig:
             ("approx_ttl_s", self.approx_ttl_s > 0),
             ("kv_recovery_s", self.kv_recovery_s >= 0),
             ("tokenizer_cache_entries", self.tokenizer_cache_entries >= 0),
+            ("tokenizer_cache_tokens", self.tokenizer_cache_tokens >= 0),
             ("port", 0 <= self.port <= 65535),
             ("retry_after_s", self.retry_after_s >= 0),
             ("drain_grace_s", 0 <= self.drain_grace_s < float("inf")),

@@ -63,7 +63,9 @@ from kvroute.routing.kvview import KVView
 from kvroute.routing.pd import PDDecision, PDRouter
 from kvroute.server.observe.observer import request_id
 from kvroute.server.state.backends import parse_vllm_metrics
-from kvroute.server.state.pdpools import PDBackend, PDInstance
+from kvroute.server.state.pdpools import ROLES, PDBackend, PDChanges, PDInstance, PDMembership
+from kvroute.server.sync.discovery import ParseBackends, Resolver, Source, make_source
+from kvroute.server.wire.httperrors import JsonErrorRunner, RateLimitedLog, json_errors
 from kvroute.server.wire.pdrelay import LegFailed, relay_stream, relay_whole
 from kvroute.server.wire.transport import (
     AiohttpTransport,
@@ -93,7 +95,11 @@ P_PARAMS = {
 class PDConfig:
     """The P/D router. ``conditional``: allow the conditional skip of P; ``max_retries``: further
     attempts per leg; ``decisions_kept``: decision records served by ``/debug/decisions``;
-    ``scrape_interval``: seconds between ``/metrics`` scrapes (KV usage)."""
+    ``scrape_interval``: seconds between ``/metrics`` scrapes (KV usage). ``discover``: discovery
+    sources as (role, source): role ``"prefill"``/``"decode"`` with ``dns://NAME:PORT`` or
+    ``file://PATH``, or None with ``file://PATH`` whose backends carry their ``role``; checked every
+    ``discover_interval_s`` s; ``discover_kv_events``: a DNS-discovered instance's KV event endpoint
+    (``{host}`` template; None: approximate view)."""
 
     prefill: tuple[PDBackend, ...]
     decode: tuple[PDBackend, ...]
@@ -105,10 +111,22 @@ class PDConfig:
     scrape_interval: float = 0.5
     connect_timeout_s: float = 5.0
     max_body_bytes: int = 32 * 1024 * 1024
+    discover: tuple[tuple[str | None, str], ...] = ()
+    discover_interval_s: float = 5.0
+    discover_kv_events: str | None = None
 
     def check(self) -> None:
-        if not self.decode:
-            raise ValueError("P/D mode needs at least one --decode instance")
+        if not self.decode and not any(role in (None, "decode") for role, _ in self.discover):
+            raise ValueError("P/D mode needs at least one --decode instance (or a decode discovery source)")
+        for role, src in self.discover:
+            if role is None and not src.startswith("file://"):
+                raise ValueError(
+                    f"discovery source {src}: in P/D mode a DNS source needs a role (decode={src})"
+                )
+            if role not in (None, *ROLES):
+                raise ValueError(f"discovery source {src}: role must be prefill or decode, not {role!r}")
+        if self.discover_interval_s <= 0:
+            raise ValueError("the discovery interval must be positive")
         urls = [b.url for b in (*self.prefill, *self.decode)]
         if len(set(urls)) != len(urls):
             raise ValueError("an instance may be listed once, as --prefill or as --decode")
@@ -136,28 +154,29 @@ class PDServer:
         transport: Transport | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_num_batched_tokens: int = 4096,
+        resolve: Resolver | None = None,
+        parse: ParseBackends | None = None,
     ) -> None:
         config.check()
         self.config = config
         self.tokenizer = RequestTokenizer(tokenizer)
         self.clock = clock
         self.transport = transport or AiohttpTransport(connect_timeout_s=config.connect_timeout_s)
-        self.pools = {
-            "prefill": [PDInstance(i, b) for i, b in enumerate(config.prefill)],
-            "decode": [PDInstance(i, b) for i, b in enumerate(config.decode)],
-        }
         cores = {}
-        for pool, insts in self.pools.items():
-            kv = KVView(
-                num_backends=max(len(insts), 1),
-                block_size=config.block_size,
-                capacity_blocks=16384,
-                ttl_s=None,
-                recovery_s=0.0,
-                exact_backends=frozenset(i.index for i in insts if i.backend.kv_events),
-            )
-            cores[pool] = RoutingCore(make_policy(config.policy), kv)
+        for role in ROLES:
+            kv = KVView(0, config.block_size, capacity_blocks=16384, ttl_s=None, recovery_s=0.0)
+            cores[role] = RoutingCore(make_policy(config.policy), kv)
         self.cores = cores
+        # role -> index -> instance; discovery adds and removes (indices are never reused)
+        self.members = PDMembership(
+            {"prefill": config.prefill, "decode": config.decode}, {r: c.kv for r, c in cores.items()}
+        )
+        self.pools = self.members.pools
+        self.sources: list[tuple[str | None, Source]] = [
+            (role, make_source(src, config.discover_kv_events, resolve, parse))
+            for role, src in config.discover
+        ]
+        self._subscribers: dict[tuple[str, int], asyncio.Task[None]] = {}
         self.router = PDRouter(
             cores["prefill"], cores["decode"], cost, transfer, max_num_batched_tokens, config.conditional
         )
@@ -173,10 +192,13 @@ class PDServer:
         self._runner: web.AppRunner | None = None
         self._http: aiohttp.ClientSession | None = None
         self.port: int | None = None
+        self.bad_requests = RateLimitedLog()  # one line a second per kind of bad request
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app = web.Application(
+            client_max_size=self.config.max_body_bytes, middlewares=[json_errors(self.bad_requests)]
+        )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -187,7 +209,9 @@ class PDServer:
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None)
+        runner = JsonErrorRunner(
+            self.make_app(), self.bad_requests, handler_cancellation=True, access_log=None
+        )
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         await site.start()
@@ -197,18 +221,61 @@ class PDServer:
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._scrape_loop()))
-        for pool, insts in self.pools.items():
-            for inst in insts:
-                if inst.backend.kv_events:
-                    if self._zmq is None:
-                        self._zmq = zmq.asyncio.Context()
-                    sub = EventSubscriber(
-                        self._zmq, inst.index, inst.backend.kv_events, None, self.cores[pool].kv, self.clock
-                    )
-                    self._tasks.append(loop.create_task(sub.run()))
+        for pool in ROLES:
+            for inst in self.pools[pool].values():
+                self._subscribe(pool, inst)
+        for role, source in self.sources:
+            await self._poll(role, source)  # the first look before serving
+            self._tasks.append(loop.create_task(self._watch(role, source)))
         return self.port
 
+    def _subscribe(self, role: str, inst: PDInstance) -> None:
+        """Follow ``inst``'s KV events into its role's view (nothing without an endpoint)."""
+        if not inst.backend.kv_events:
+            return
+        if self._zmq is None:
+            self._zmq = zmq.asyncio.Context()
+        sub = EventSubscriber(
+            self._zmq, inst.index, inst.backend.kv_events, None, self.cores[role].kv, self.clock
+        )
+        self._subscribers[(role, inst.index)] = asyncio.get_running_loop().create_task(sub.run())
+
+    def apply(self, changes: PDChanges) -> None:
+        """Start and stop KV event subscriptions for the instances that joined and left."""
+        for role, inst in changes.left:
+            task = self._subscribers.pop((role, inst.index), None)
+            if task is not None:
+                task.cancel()
+        for role, inst in changes.joined:
+            self._subscribe(role, inst)
+
+    async def _poll(self, role: str | None, source: Source) -> None:
+        """Check ``source`` once; a changed list replaces that source's instances (per role)."""
+        specs = await source.poll()
+        if specs is None:
+            return
+        listed: dict[str, list[PDBackend]] = {r: [] for r in ROLES}
+        for spec in specs:
+            r = role or spec.role
+            if r is None:
+                log.warning("discovery %s: %s has no role (prefill or decode): ignored", source.key, spec.url)
+                continue
+            listed[r].append(PDBackend(spec.url, spec.kv_events))
+        changes = self.members.set_source(source.key, {r: tuple(v) for r, v in listed.items()})
+        for conflict in self.members.conflicts:
+            log.warning("discovery %s: %s", source.key, conflict)
+        if changes:
+            log.warning("discovery %s: %s", source.key, changes.describe())
+            self.apply(changes)
+
+    async def _watch(self, role: str | None, source: Source) -> None:
+        while True:
+            await asyncio.sleep(self.config.discover_interval_s)
+            await self._poll(role, source)
+
     async def stop(self) -> None:
+        self._tasks.extend(self._subscribers.values())
+        self._subscribers.clear()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -228,7 +295,7 @@ class PDServer:
     async def _scrape_loop(self) -> None:
         """Every ``scrape_interval`` s: each engine's ``/metrics`` (KV usage, pool size)."""
         while True:
-            for inst in (*self.pools["prefill"], *self.pools["decode"]):
+            for inst in [*self.pools["prefill"].values(), *self.pools["decode"].values()]:
                 assert self._http is not None
                 try:
                     async with self._http.get(inst.backend.url + "/metrics") as r:
@@ -243,14 +310,14 @@ class PDServer:
     # -- small endpoints ----------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response(
-            {"status": "ok", "prefill": len(self.config.prefill), "decode": len(self.config.decode)}
+            {"status": "ok", "prefill": self.members.urls("prefill"), "decode": self.members.urls("decode")}
         )
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), content_type="text/plain", charset="utf-8")
 
     async def models(self, request: web.Request) -> web.Response:
-        for inst in self.pools["decode"]:
+        for inst in list(self.pools["decode"].values()):
             try:
                 resp = await self.transport.send(inst.backend.url, "GET", "/v1/models", timeout_s=5.0)
             except UpstreamConnectError:
@@ -293,7 +360,7 @@ class PDServer:
         )  # fmt: skip
         page = (
             "<!doctype html><html><head><meta charset='utf-8'><title>kvroute P/D</title></head><body>"
-            f"<h1>kvroute P/D: {len(self.config.prefill)} prefill, {len(self.config.decode)} decode, "
+            f"<h1>kvroute P/D: {len(self.pools['prefill'])} prefill, {len(self.pools['decode'])} decode, "
             f"policy {html.escape(self.config.policy)}</h1><table border='1'><tr>"
             + "".join(f"<th>{h}</th>" for h in head)
             + "</tr>"
@@ -337,9 +404,11 @@ class PDServer:
         except ApiError as err:
             return _json_error(err, headers)
         rr = RouteRequest(chain, len(ids), parsed.max_tokens, user=parsed.user)
+        if not self.pools["decode"]:
+            return _json_error(ApiError(503, "no decode instance is known yet"), headers)
         now = self.clock()
-        d_views = [i.view() for i in self.pools["decode"]]
-        p_views = [i.view() for i in self.pools["prefill"]]
+        d_views = [i.view() for i in self.pools["decode"].values()]
+        p_views = [i.view() for i in self.pools["prefill"].values()]
         dec = self.router.route(rr, p_views, d_views, now)
         self._seq += 1
         record: dict[str, Any] = {
@@ -416,9 +485,9 @@ class PDServer:
     def _order(self, pool: str, first: Decision, rr: RouteRequest, tried: set[int]) -> int | None:
         """The next instance of ``pool`` to try: ``first``'s choice, then the policy's choice among
         those not tried yet (the load term for D)."""
-        if not tried:
+        if not tried and first.instance in self.pools[pool]:
             return first.instance
-        left = [i.view() for i in self.pools[pool] if i.index not in tried]
+        left = [i.view() for i in self.pools[pool].values() if i.index not in tried]
         if not left:
             return None
         core = self.cores[pool]

@@ -31,7 +31,10 @@ Layout
 - **Restarts**: a worker that exits while the supervisor is not stopping is restarted after a backoff
   (``RESTART_MIN_S`` doubling up to ``RESTART_MAX_S``; back to the minimum once a worker has lived
   ``RESTART_RESET_S``). Its table row is zeroed as soon as it is gone: its requests died with it.
-- The shared memory is unlinked when the supervisor exits, on errors too.
+- The shared memory is unlinked when the supervisor exits, on errors too. What a supervisor owns (its
+  run folder with the admin journal, the table's shared memory and semaphore) is stamped with its pid
+  and locked while it lives; the next supervisor to start removes a dead one's
+  (:mod:`kvroute.server.state.runfiles`).
 
 KV events: once per worker
 --------------------------
@@ -59,11 +62,9 @@ import contextlib
 import dataclasses
 import multiprocessing
 import os
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -80,6 +81,7 @@ from kvroute.server.app import RouterServer
 from kvroute.server.config import RouterConfig
 from kvroute.server.run import Reloader, run_loop, serve_until_signal
 from kvroute.server.state.loadtable import LoadTable, SharedTableSpec
+from kvroute.server.state.runfiles import RunFiles, sweep
 from kvroute.server.sync.discovery import ParseBackends
 from kvroute.server.sync.peers import PeerReceiver, new_replica_id
 
@@ -270,10 +272,16 @@ class Supervisor:
             raise UserError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}") from None
         port = sock.getsockname()[1]
         self.config = dataclasses.replace(cfg, port=port)
+        sweep()  # the leftovers of supervisors that died without cleaning up (SIGKILL)
+        run = RunFiles.create()
+        prefix = run.shm_prefix()
+        run.record(shm=(f"{prefix}-counts", f"{prefix}-urls"))  # names first, then the segments
         self._lock = self.ctx.Lock()
-        self._table, self._spec = LoadTable.create_shared(self.workers + 1, self._lock)
-        journal_dir = tempfile.mkdtemp(prefix="kvroute-admin-")
-        self._journal = os.path.join(journal_dir, "admin-journal.jsonl")
+        semaphore = getattr(getattr(self._lock, "_semlock", None), "name", None)
+        if isinstance(semaphore, str):
+            run.record(semaphores=(semaphore,))
+        self._table, self._spec = LoadTable.create_shared(self.workers + 1, self._lock, name_prefix=prefix)
+        self._journal = run.journal
         loop = asyncio.get_running_loop()
         receiving: asyncio.Task[None] | None = None
         try:
@@ -309,7 +317,7 @@ class Supervisor:
             if self.receiver is not None:
                 self.receiver.close()
             self._table.close(unlink=True)
-            shutil.rmtree(journal_dir, ignore_errors=True)
+            run.remove()
             sock.close()
 
     def table(self) -> LoadTable | None:

@@ -97,12 +97,28 @@ class RouterCollector(Collector):
             "kvroute_kv_event_batches", "KV event batches applied", labels=["backend"]
         )
         gaps = CounterMetricFamily("kvroute_kv_event_gaps", "KV event sequence gaps", labels=["backend"])
+        partial = CounterMetricFamily(
+            "kvroute_kv_event_partial_replays",
+            "KV event replays that no longer reached back to the batch asked for (partial view)",
+            labels=["backend"],
+        )
         for s in self.subscribers:
             url = core.backends[s.backend].url
             batches.add_metric([url], s.batches)
             gaps.add_metric([url], s.gaps)
+            partial.add_metric([url], s.partial)
+        shortfalls = CounterMetricFamily(
+            "kvroute_kv_cached_shortfalls",
+            "Responses whose real cached_tokens fell far below the prediction (the backend's view beyond "
+            "it was dropped)",
+            labels=["backend"],
+        )
+        for b in core.live_backends():
+            shortfalls.add_metric([b.url], core.kv.shortfalls.get(b.index, 0))
         yield batches
         yield gaps
+        yield partial
+        yield shortfalls
         tok = core.tokenizer
         yield CounterMetricFamily(
             "kvroute_tokenizer_cache_hits", "Per-message token cache hits", value=tok.hits

@@ -16,7 +16,8 @@ as ``x-request-id``, and appears in the decision records, the access log, log li
 Explanation headers: ``x-kvroute-backend`` (the URL that answered), ``x-kvroute-policy``,
 ``x-kvroute-reason`` (as a decision record's ``reason``), ``x-kvroute-score`` (the policy's score of
 that backend), ``x-kvroute-cached-tokens`` (predicted cached prompt tokens there),
-``x-kvroute-prompt-tokens`` and ``x-kvroute-retries``. They reveal backend URLs to the client.
+``x-kvroute-prompt-tokens``, ``x-kvroute-retries`` and ``x-kvroute-engine-block-size`` (that
+backend's block size as the router knows it, tokens: predicted hits are whole engine blocks). They reveal backend URLs to the client.
 
 Metrics (on the router's own registry; ``{backend}`` is the URL, ``{policy}`` the decision's policy
 name, e.g. ``lmetric`` or ``lmetric+hotspot``):
@@ -245,6 +246,9 @@ class Observer:
                     "x-kvroute-cached-tokens": str(rec.expected_cached),
                     "x-kvroute-prompt-tokens": str(d.prompt_tokens),
                     "x-kvroute-retries": str(rec.retries),
+                    "x-kvroute-engine-block-size": ""
+                    if b is None
+                    else str(self.state.kv.engine_block_size(b)),
                 }
             )
         return out

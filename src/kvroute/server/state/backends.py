@@ -97,6 +97,7 @@ class ScrapedMetrics:
     kv_usage: float
     at: float
     num_kv_blocks: int = 0
+    block_size: int = 0  # the engine's block size, tokens (cache_config_info's block_size; 0: not sent)
 
 
 def _sample_value(line: bytes) -> float | None:
@@ -116,12 +117,13 @@ def parse_vllm_metrics(text: bytes, at: float) -> ScrapedMetrics | None:
     """Parse vLLM's Prometheus text; None when it has neither running nor waiting gauges.
 
     Values of the same metric with different labels (e.g. several ``model_name``) are summed; the KV
-    usage is the maximum. ``vllm:cache_config_info{num_gpu_blocks="N"}`` gives the pool size if present.
+    usage is the maximum. ``vllm:cache_config_info{num_gpu_blocks="N",block_size="B"}`` gives the pool
+    size and the engine's block size if present.
     """
     running = waiting = 0.0
     usage = 0.0
     seen = False
-    blocks = 0
+    blocks = block_size = 0
     for match in _CANDIDATE.finditer(text):
         start = match.start()
         if start and text[start - 1] not in _EOL:
@@ -142,18 +144,24 @@ def parse_vllm_metrics(text: bytes, at: float) -> ScrapedMetrics | None:
             if v is not None:
                 usage = max(usage, v)
         elif line.startswith(_CACHE_CONFIG):
-            key = b'num_gpu_blocks="'
-            i = line.find(key)
-            if i >= 0:
-                j = line.find(b'"', i + len(key))
-                try:
-                    blocks = int(line[i + len(key) : j])
-                except ValueError:
-                    blocks = 0
+            blocks = _label_int(line, b'num_gpu_blocks="')
+            block_size = _label_int(line, b'block_size="')
     if not seen:
         return None
     usage = min(max(usage, 0.0), 1.0)
-    return ScrapedMetrics(max(int(running), 0), max(int(waiting), 0), usage, at, blocks)
+    return ScrapedMetrics(max(int(running), 0), max(int(waiting), 0), usage, at, blocks, block_size)
+
+
+def _label_int(line: bytes, key: bytes) -> int:
+    """The integer value of the label ``key`` (``name="``) in a sample line; 0 when absent or bad."""
+    i = line.find(key)
+    if i < 0 or (i and line[i - 1] not in b"{, "):  # block_size= inside e.g. cpu_block_size=
+        return 0
+    j = line.find(b'"', i + len(key))
+    try:
+        return max(int(line[i + len(key) : j]), 0)
+    except ValueError:
+        return 0
 
 
 class BackendState:
@@ -170,7 +178,6 @@ class BackendState:
         "healthy",
         "index",
         "requests_total",
-        "scraped",
         "slot",
         "state",
         "successes",
@@ -184,11 +191,35 @@ class BackendState:
         self.table = table if table is not None else LoadTable.local()
         self.slot = self.table.slot(url)
         self.requests_total = 0
-        self.scraped: ScrapedMetrics | None = None
         self.healthy = healthy
         self.state = ACTIVE
         self.failures = 0  # consecutive failed health checks
         self.successes = 0  # consecutive good health checks while ejected
+
+    @property
+    def scraped(self) -> ScrapedMetrics | None:
+        """The engine's last scrape, from the load table: the machine's one scraper wrote it, maybe
+        in another worker (:mod:`kvroute.server.sync.scrape`). None: not scraped yet."""
+        got = self.table.scraped(self.slot)
+        if got is None:
+            return None
+        at, running, waiting, usage, blocks, block_size = got
+        return ScrapedMetrics(running, waiting, usage, at, blocks, block_size)
+
+    @scraped.setter
+    def scraped(self, value: ScrapedMetrics | None) -> None:
+        if value is None:
+            self.table.clear_scraped(self.slot)
+        else:
+            self.table.put_scraped(
+                self.slot,
+                value.at,
+                value.running,
+                value.waiting,
+                value.kv_usage,
+                value.num_kv_blocks,
+                value.block_size,
+            )
 
     # This process's own counters (what its leases hold; back to zero when its traffic stops).
     @property

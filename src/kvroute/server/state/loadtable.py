@@ -10,6 +10,13 @@ only adds to its own row, so no lock is needed on the request path; readers sum 
 (:meth:`LoadTable.totals`). Row ``writers`` (the last one) holds the load that other router replicas
 announced (:mod:`kvroute.server.sync.peers`), written by the one process that receives it.
 
+**Scraped engine metrics** (:meth:`LoadTable.put_scraped` / :meth:`LoadTable.scraped`): one record per
+slot after the rows (running, waiting, KV usage, pool size, engine block size, the router's monotonic
+time of the scrape), written by the machine's one scraper and read by every writer, so the workers of
+a machine scrape each engine once, not once each (:mod:`kvroute.server.sync.scrape`). A record is
+guarded by a sequence counter (odd while written), so a reader never mixes two scrapes. Two more cells
+name the scraper (its writer row) and its heartbeat (:meth:`LoadTable.claim_scraper`).
+
 Backing: a plain numpy array (one process), or a ``multiprocessing.shared_memory`` segment that the
 workers of one machine map (:meth:`LoadTable.create_shared` in the parent, :meth:`LoadTable.attach` in
 each worker). Aligned int64 reads and writes are atomic on the platforms we run on, so a reader sees
@@ -21,6 +28,7 @@ by a ``multiprocessing.Lock`` (only when a backend is first seen).
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -32,6 +40,16 @@ COLUMNS = ("waiting", "running", "prefill", "blocks")
 _W, _R, _P, _B = range(4)
 _URL_BYTES = 512  # one registry entry: a NUL-padded UTF-8 URL
 DEFAULT_SLOTS = 1024
+_SCR = (
+    8  # int64 cells per slot's scraped record: seq, at_ns, running, waiting, usage_ppb, blocks, block_size, -
+)
+_ELECT = 2  # cells after the scraped records: the scraper's writer row + 1 (0: none), its heartbeat (ns)
+
+
+def _counts_bytes(writers: int, slots: int) -> int:
+    """Bytes of the counts segment: ``writers`` rows and the remote row of 4 cells per slot, the
+    scraped records and the election cells (int64 each)."""
+    return ((writers + 1) * slots * 4 + slots * _SCR + _ELECT) * 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +87,8 @@ class LoadTable:
         self.slots = slots
         self._base = writer * slots * 4
         self._remote = writers * slots * 4
+        self._scr = (writers + 1) * slots * 4  # first scraped record
+        self._elect = self._scr + slots * _SCR
         self._lock = lock
         self._shm = owned
         self._slot_of: dict[str, int] = {}
@@ -82,19 +102,26 @@ class LoadTable:
     def local(cls, slots: int = DEFAULT_SLOTS) -> LoadTable:
         """A table for one process (one writer, plus the remote row)."""
         return cls(
-            memoryview(bytearray(2 * slots * 32)), memoryview(bytearray(slots * _URL_BYTES)), 1, slots, 0
+            memoryview(bytearray(_counts_bytes(1, slots))),
+            memoryview(bytearray(slots * _URL_BYTES)),
+            1,
+            slots,
+            0,
         )
 
     @classmethod
     def create_shared(
-        cls, writers: int, lock: Any, slots: int = DEFAULT_SLOTS
+        cls, writers: int, lock: Any, slots: int = DEFAULT_SLOTS, name_prefix: str | None = None
     ) -> tuple[LoadTable, SharedTableSpec]:
         """The parent's table over new shared-memory segments (it writes row 0, which its workers
         then must not: give them rows 1..writers-1, or create with one row more than workers); returns
         it and the spec the workers attach with. The creator must :meth:`close` with ``unlink=True``
-        once the workers are gone."""
-        counts_shm = shared_memory.SharedMemory(create=True, size=(writers + 1) * slots * 32)
-        urls_shm = shared_memory.SharedMemory(create=True, size=slots * _URL_BYTES)
+        once the workers are gone. ``name_prefix``: the segments are ``PREFIX-counts`` and
+        ``PREFIX-urls`` (a supervisor stamps them with its pid, :mod:`.runfiles`); else random names."""
+        counts_name = f"{name_prefix}-counts" if name_prefix else None
+        urls_name = f"{name_prefix}-urls" if name_prefix else None
+        counts_shm = shared_memory.SharedMemory(counts_name, create=True, size=_counts_bytes(writers, slots))
+        urls_shm = shared_memory.SharedMemory(urls_name, create=True, size=slots * _URL_BYTES)
         counts, urls = _buf(counts_shm), _buf(urls_shm)
         counts[:] = bytes(len(counts))
         urls[:] = bytes(len(urls))
@@ -217,6 +244,60 @@ class LoadTable:
             raise ValueError(f"writer {writer} outside 0..{self.writers - 1}")
         stride = self.slots * 4
         self._q[writer * stride : (writer + 1) * stride] = memoryview(bytes(stride * 8)).cast("q")
+
+    # ---- scraped engine metrics (one scraper per machine) ------------------------------------------
+
+    def put_scraped(
+        self, slot: int, at: float, running: int, waiting: int, kv_usage: float, blocks: int, block_size: int
+    ) -> None:
+        """Record a scrape of ``slot``'s engine taken at ``at`` (monotonic seconds). Only the
+        machine's scraper writes (one writer per record)."""
+        self._put(slot, (int(at * 1e9), running, waiting, round(kv_usage * 1e9), blocks, block_size, 1))
+
+    def clear_scraped(self, slot: int) -> None:
+        """Forget ``slot``'s scrape (its backend left)."""
+        self._put(slot, (0, 0, 0, 0, 0, 0, 0))
+
+    def _put(self, slot: int, cells: tuple[int, ...]) -> None:
+        q = self._q
+        i = self._scr + slot * _SCR
+        q[i] += 1  # odd: being written
+        q[i + 1 : i + 8] = memoryview(array("q", cells)).cast("B").cast("q")
+        q[i] += 1
+
+    def scraped(self, slot: int) -> tuple[float, int, int, float, int, int] | None:
+        """``(at, running, waiting, kv_usage, blocks, block_size)`` of ``slot``'s last scrape, or None
+        when there is none (or it is being rewritten right now, three reads in a row)."""
+        q = self._q
+        i = self._scr + slot * _SCR
+        for _ in range(3):
+            seq = q[i]
+            if seq & 1:
+                continue
+            at_ns, running, waiting, ppb, blocks, bs, present = q[i + 1 : i + 8]
+            if q[i] == seq:
+                return (at_ns / 1e9, running, waiting, ppb / 1e9, blocks, bs) if present else None
+        return None
+
+    def claim_scraper(self, now: float, takeover_s: float) -> bool:
+        """Whether this writer is the machine's scraper at ``now`` (monotonic seconds): yes if it is
+        named, or if none is or the named one's heartbeat is older than ``takeover_s`` (it died or
+        hangs; this writer then takes over). A scraper's call renews its heartbeat. Two writers
+        taking over at once both see themselves named once; the later write wins from the next call."""
+        q = self._q
+        i = self._elect
+        me = self.writer + 1
+        now_ns = int(now * 1e9)
+        if q[i] != me and q[i] and now_ns - q[i + 1] <= takeover_s * 1e9:
+            return False
+        q[i] = me
+        q[i + 1] = now_ns
+        return True
+
+    def release_scraper(self) -> None:
+        """This writer stops scraping (it is stopping): another takes over at its next call."""
+        if self._q[self._elect] == self.writer + 1:
+            self._q[self._elect] = 0
 
 
 def _buf(shm: shared_memory.SharedMemory) -> memoryview:

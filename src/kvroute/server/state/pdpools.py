@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvroute.routing.kvview import KVView
 from kvroute.server.state.backends import ScrapedMetrics
 from kvroute.views import InstanceView
 
-__all__ = ["PDBackend", "PDInstance"]
+__all__ = ["ROLES", "PDBackend", "PDChanges", "PDInstance", "PDMembership"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,3 +59,87 @@ class PDInstance:
     def done(self, rid: str) -> None:
         self.inflight.pop(rid, None)
         self.started.discard(rid)
+
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True, slots=True)
+class PDChanges:
+    """What one reconcile did: ``joined`` and ``left`` as (role, instance), in order."""
+
+    joined: tuple[tuple[str, PDInstance], ...] = ()
+    left: tuple[tuple[str, PDInstance], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.joined or self.left)
+
+    def describe(self) -> str:
+        parts = [f"+{r} {i.backend.url}" for r, i in self.joined]
+        parts += [f"-{r} {i.backend.url}" for r, i in self.left]
+        return ", ".join(parts)
+
+
+class PDMembership:
+    """The P/D router's instances per role: the static ones (flags, config file), which stay, and
+    those each discovery source lists now. ``pools[role]`` maps an instance's index (its index in
+    that role's :class:`~kvroute.routing.kvview.KVView`, never reused) to its bookkeeping, in join
+    order. ``kvs[role]`` allocates the indices. Mutated by the router's event loop only.
+
+    Invariants: a URL is in at most one role (static first, then the first source to list it; a
+    source listing a URL the other role holds is logged by the caller via :attr:`conflicts`); an
+    instance leaves only when no static entry and no source lists it any more (requests in flight
+    keep their own reference and finish)."""
+
+    def __init__(self, static: dict[str, tuple[PDBackend, ...]], kvs: dict[str, KVView]) -> None:
+        self.kvs = kvs
+        self.static = {r: tuple(static.get(r, ())) for r in ROLES}
+        self.sources: dict[str, dict[str, tuple[PDBackend, ...]]] = {}
+        self.pools: dict[str, dict[int, PDInstance]] = {r: {} for r in ROLES}
+        self.conflicts: list[str] = []
+        self.reconcile()
+
+    def urls(self, role: str) -> list[str]:
+        return [i.backend.url for i in self.pools[role].values()]
+
+    def set_source(self, key: str, listed: dict[str, tuple[PDBackend, ...]]) -> PDChanges:
+        """Source ``key`` lists ``listed`` (role → backends) now; reconcile."""
+        self.sources[key] = {r: tuple(listed.get(r, ())) for r in ROLES}
+        return self.reconcile()
+
+    def _desired(self) -> dict[str, dict[str, PDBackend]]:
+        want: dict[str, dict[str, PDBackend]] = {r: {} for r in ROLES}
+        owner: dict[str, str] = {}
+        self.conflicts = []
+        lists = [self.static, *self.sources.values()]
+        for listing in lists:
+            for role in ROLES:
+                for b in listing[role]:
+                    have = owner.get(b.url)
+                    if have is None:
+                        owner[b.url] = role
+                        want[role][b.url] = b
+                    elif have != role:
+                        self.conflicts.append(f"{b.url} is listed as {have} and as {role}: kept as {have}")
+        return want
+
+    def reconcile(self) -> PDChanges:
+        want = self._desired()
+        joined: list[tuple[str, PDInstance]] = []
+        left: list[tuple[str, PDInstance]] = []
+        for role in ROLES:
+            pool = self.pools[role]
+            kv = self.kvs[role]
+            for idx, inst in list(pool.items()):
+                b = want[role].get(inst.backend.url)
+                if b is None or b.kv_events != inst.backend.kv_events:
+                    del pool[idx]
+                    kv.remove_backend(idx)
+                    left.append((role, inst))
+            have = {i.backend.url for i in pool.values()}
+            for url, b in want[role].items():
+                if url not in have:
+                    inst = PDInstance(kv.add_backend(exact=b.kv_events is not None), b)
+                    pool[inst.index] = inst
+                    joined.append((role, inst))
+        return PDChanges(tuple(joined), tuple(left))

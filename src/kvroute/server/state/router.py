@@ -92,10 +92,13 @@ class RouterState:
             recovery_s=config.kv_recovery_s,
             exact_backends=frozenset(i for i, b in enumerate(config.backends) if b.kv_events),
         )
+        self.kv.on_engine_block_size = self._engine_block_size
         # The routing core decides (kvroute.routing); this class gathers the views and the request.
         self.routing = RoutingCore(with_features(policy, config.features), self.kv)
         self.counters = RouterCounters()
-        self.chains = ChainMemo(config.block_size, config.tokenizer_cache_entries)
+        self.chains = ChainMemo(
+            config.block_size, config.tokenizer_cache_entries, config.tokenizer_cache_tokens
+        )
         self.guard = self.routing.guard  # production features' state, when any is on
         # shadow policies over the same KV view (read-only there), each with its own state
         self.shadows = Shadows(config.shadow, self.kv) if config.shadow else None
@@ -105,6 +108,19 @@ class RouterState:
             self.pools.declare(i, b.models, b.lora_adapters)
         self.preloads: list[tuple[int, Prefix]] = []  # cold-start preloads for the monitor to send
         self._watch_cleared()
+
+    def _engine_block_size(self, backend: int, tokens: int) -> None:
+        """The KV view learned ``backend``'s engine block size: one log line when it is not the
+        router's own (predicted hits then count whole engine blocks)."""
+        if tokens != self.config.block_size and backend < len(self.backends):
+            log.warning(
+                "backend %s caches in blocks of %d tokens, the router's --block-size is %d: "
+                "predicted cached tokens count whole engine blocks (set --block-size %d to match)",
+                self.backends[backend].url,
+                tokens,
+                self.config.block_size,
+                tokens,
+            )
 
     def _watch_cleared(self) -> None:
         warm = self.guard is not None and self.guard.warmup is not None

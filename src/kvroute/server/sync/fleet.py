@@ -8,6 +8,11 @@
   per discovery source (``"dns://…"``, ``"file://…"``). The desired list is their union by URL (the
   first source listing a URL gives its spec; ``static`` comes first). :meth:`Fleet.set_source` replaces
   one list and reconciles when it changed.
+- **Deleted through the admin API** (:meth:`Fleet.forget`): the backend leaves the admin list, and each
+  other source that lists it is masked for that URL, per source: a new list from that source (a SIGHUP
+  reload, a discovery answer) brings it back only if *that source's own entry* for the URL changed
+  (dropped, then listed again; or listed with another spec). A reload of an unchanged file, or a
+  change to other backends in it, keeps it deleted, on every replica and worker alike.
 - **Reconcile** (:meth:`Fleet.reconcile`): a desired URL that is not listed is added; a listed one whose
   spec changed is updated (a ``kv_events``/``kv_replay`` change re-subscribes its KV events, the KV view
   switching mode as :meth:`KVView.set_exact` says); a draining one that is desired again is active
@@ -90,6 +95,8 @@ class Fleet:
         self._subs: dict[int, tuple[EventSubscriber, asyncio.Task[None]]] = {}
         self._removing: set[int] = set()  # draining, to be removed once idle
         self._held: set[int] = set()  # drained through the admin API: not reactivated by reconcile
+        # source -> URL -> the spec that source listed when the admin API deleted the URL (masked)
+        self._deleted: dict[str, dict[str, BackendSpec]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -124,26 +131,44 @@ class Fleet:
     # ---- sources --------------------------------------------------------------------------------
 
     def desired(self) -> list[BackendSpec]:
-        """The union of the sources by URL (first listed wins; ``static`` first)."""
+        """The union of the sources by URL (first listed wins; ``static`` first), without the entries
+        masked by an admin deletion."""
         seen: dict[str, BackendSpec] = {}
-        for specs in self.sources.values():
+        for name, specs in self.sources.items():
+            masked = self._deleted.get(name, {})
             for s in specs:
-                seen.setdefault(s.url, s)
+                if masked.get(s.url) != s:
+                    seen.setdefault(s.url, s)
         return list(seen.values())
 
     def set_source(self, name: str, specs: Sequence[BackendSpec]) -> Changes | None:
-        """Replace source ``name``'s list; reconcile when it changed (None when it did not)."""
+        """Replace source ``name``'s list; reconcile when it changed (None when it did not). A URL
+        deleted through the admin API stays masked unless this source's own entry for it changed."""
         new = tuple(specs)
         if self.sources.get(name) == new:
             return None
+        masked = self._deleted.get(name)
+        if masked:
+            listed = {s.url: s for s in new}
+            for url in [u for u, spec in masked.items() if listed.get(u) != spec]:
+                del masked[url]  # dropped or changed by its source: listing it (again) brings it back
         self.sources[name] = new
         return self.reconcile(self.desired())
 
     def forget(self, url: str) -> None:
-        """Take ``url`` off every source (the admin API deleted it; a discovery source lists it
-        again only when its own list changes)."""
+        """The admin API deleted ``url``: off the admin list, and masked in every other source that
+        lists it until that source's own entry for it changes (module docstring)."""
         for name, specs in self.sources.items():
-            self.sources[name] = tuple(s for s in specs if s.url != url)
+            if name == ADMIN:
+                self.sources[name] = tuple(s for s in specs if s.url != url)
+                continue
+            for s in specs:
+                if s.url == url:
+                    self._deleted.setdefault(name, {})[url] = s
+
+    def deleted(self) -> dict[str, tuple[str, ...]]:
+        """Source → the URLs masked in it by admin deletions (for tests and debugging)."""
+        return {name: tuple(m) for name, m in self._deleted.items() if m}
 
     # ---- reconcile ------------------------------------------------------------------------------
 
@@ -255,6 +280,20 @@ class Fleet:
         sub = EventSubscriber(self._zmq, index, spec.kv_events, spec.kv_replay, core.kv, core.clock)
         self.subscribers.append(sub)
         self._subs[index] = (sub, asyncio.create_task(sub.run()))
+
+    async def wait_synced(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s`` seconds) until every subscriber's replay on subscribe has
+        ended: a router started after its engines then routes its first request on their replayed
+        caches. True when all had ended in time."""
+        waits = [sub.synced.wait() for sub in self.subscribers if not sub.synced.is_set()]
+        if not waits:
+            return True
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.gather(*waits)
+        except TimeoutError:
+            return False
+        return True
 
     def _unsubscribe(self, index: int) -> None:
         """Stop backend ``index``'s subscriber: once cancelled, its task applies no more batches

@@ -3,8 +3,8 @@
 - Health: ``GET /health`` of every active backend (not draining or removed) every
   ``health_interval_s`` (timeout ``health_timeout_s``); a 2xx is a pass. ``eject_after`` consecutive failures eject a backend; ``readmit_after`` consecutive passes
   re-admit it (a connection error on a proxied request ejects at once, see the proxy).
-- Scrape: ``GET /metrics`` (restricted to the samples it reads, ``engines.SCRAPE_PATH``) of every
-  active healthy backend every ``scrape_interval_s``; parsed with
+- Scrape: ``GET /metrics`` (restricted to the samples it reads, ``engines.SCRAPE_PATH``) of a
+  backend, when :mod:`kvroute.server.sync.scrape` (one scraper per machine, adaptive interval) asks; parsed with
   :func:`~kvroute.server.state.backends.parse_vllm_metrics` into ``BackendState.scraped``. A failed scrape
   leaves the old value, which the load view ignores once older than ``scrape_stale_s``. The page is
   read with the backend's engine's names (``engine`` in its spec, else detected from the scrape; see
@@ -100,6 +100,8 @@ class Monitor:
             parsed, seen = parse_metrics(text, core.clock(), engine, core.config.block_size)
             if parsed is not None:
                 backend.scraped = parsed
+                if parsed.block_size:
+                    core.kv.set_engine_block_size(backend.index, parsed.block_size)
                 if engine is None and seen is not None:
                     self.engines[backend.index] = seen
                     log.info("backend %s: %s metrics", backend.url, seen)
@@ -195,12 +197,3 @@ class Monitor:
             if todo:
                 await asyncio.gather(*(self.preload(i, p) for i, p in todo))
             await asyncio.sleep(interval_s)
-
-    async def scrape_loop(self) -> None:
-        """Scrape every healthy backend, together, every ``scrape_interval_s``. (One schedule per
-        backend, spread over the interval, was tried: the timer wake-ups cost the idle router more CPU,
-        for no measurable gain.)"""
-        interval = self.state.config.scrape_interval_s
-        while True:
-            await asyncio.gather(*(self.scrape(b) for b in self.state.backends if b.routable))
-            await asyncio.sleep(interval)

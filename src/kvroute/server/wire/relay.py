@@ -7,7 +7,8 @@ Rules (the pipeline's module docstring has the whole request's):
 - a non-streamed request, or a response that is not a 200, is buffered and answered whole; a body
   that breaks off becomes a 502 JSON error;
 - a stream is passed through chunk by chunk; one that breaks off ends with an SSE error event
-  (``data: {"error": ...}`` then ``data: [DONE]``); a client that goes away ends it;
+  (``data: {"error": ...}`` then ``data: [DONE]``); a client that goes away ends it (at any chunk or
+  at the final end of the stream: a ``cancelled`` outcome, no traceback);
 - while the router shuts down (``draining()`` true), a stream cancelled by the drain ends with an SSE
   error event too.
 
@@ -186,7 +187,7 @@ async def _stream(
                 await _write(out, request, b"data: " + error_body(err) + b"\n\ndata: [DONE]\n\n")
                 await out.write_eof()
             return ended(UPSTREAM_ERROR)
-        await out.write_eof()
+        await _eof(out)  # a client that leaves at the very end is gone like one that leaves mid-way
     except _ClientGone:
         return ended(CANCELLED)
     except asyncio.CancelledError:
@@ -201,6 +202,13 @@ async def _stream(
             await out.write_eof()
         return ended(DRAINED)
     return ended(OK, tail)
+
+
+async def _eof(out: web.StreamResponse) -> None:
+    try:
+        await out.write_eof()
+    except (ConnectionError, RuntimeError) as exc:
+        raise _ClientGone(str(exc)) from None
 
 
 async def _write(out: web.StreamResponse, request: web.Request, data: bytes, prepare: bool = False) -> None:

@@ -2,11 +2,16 @@
 
 Nothing here raises anything but :class:`ApiError`, whose ``status`` (400, 413, 503, ...) and message
 end up in an OpenAI-style JSON error: ``{"error": {"message", "type", "param", "code"}}``.
+
+Nesting is bounded without recursion: a body nested deeper than :data:`MAX_DEPTH` levels (objects and
+arrays) is refused with a 400 by an iterative walk (:func:`check_depth`), before anything that recurses
+(the chat template, the prompt's shape) sees it; orjson itself refuses more than 1024 levels, which is
+a 400 too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +19,10 @@ import orjson
 
 from kvroute.chat_template import ChatOptions, chat_options
 
-__all__ = ["ApiError", "ParsedRequest", "error_body", "parse_request"]
+__all__ = ["MAX_DEPTH", "ApiError", "ParsedRequest", "check_depth", "error_body", "parse_request"]
+
+MAX_DEPTH = 64
+"""Levels of JSON objects and arrays a request body may nest (the body itself is level 1)."""
 
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error"}
 
@@ -69,6 +77,22 @@ class ParsedRequest:
     chat_options: ChatOptions | None = None
 
 
+def check_depth(raw: bytes, body: object, limit: int = MAX_DEPTH) -> None:
+    """ApiError(400) when ``body`` (parsed from ``raw``) nests objects/arrays deeper than ``limit``.
+    Iterative; skipped when ``raw`` holds too few brackets to nest that deep (the common case)."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return
+    stack: list[tuple[object, int]] = [(body, 1)]
+    while stack:
+        obj, depth = stack.pop()
+        if depth > limit:
+            raise ApiError(400, f"the request body is nested more than {limit} levels deep")
+        children: Iterable[object] = obj.values() if isinstance(obj, dict) else obj  # type: ignore[assignment]
+        for child in children:
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+
+
 def _opt_int(body: Mapping[str, Any], key: str) -> int | None:
     v = body.get(key)
     if v is None:
@@ -88,15 +112,18 @@ def _opt_str(body: Mapping[str, Any], key: str) -> str | None:
 
 
 def _prompt(value: Any) -> str | Sequence[int]:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and value:
+    while True:  # a batch of batches: route on the first (a loop: nesting is bounded, not recursed)
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not value:
+            break
         if all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
             return value
         if all(isinstance(t, str) for t in value):
             return value[0]  # a batch of prompts: route on the first
-        if all(isinstance(t, list) for t in value):
-            return _prompt(value[0])
+        if not all(isinstance(t, list) for t in value):
+            break
+        value = value[0]
     raise ApiError(400, "'prompt' must be a string, a list of strings or a list of token ids", "prompt")
 
 
@@ -128,6 +155,7 @@ def parse_request(raw: bytes, chat: bool) -> ParsedRequest:
         raise ApiError(400, f"malformed JSON body: {exc}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    check_depth(raw, body)
     stream = body.get("stream", False)
     if stream is None:
         stream = False

@@ -1,0 +1,3 @@
+"""The real-vLLM suite's fixtures live in :mod:`harness` (with its helpers); registered here."""
+
+from .harness import _fleet, fleet, router_factory, tokenizer  # noqa: F401

@@ -87,10 +87,20 @@ async def start_workers(engines: Cluster, *flags: str) -> RouterProc:
     events = [x for b in engines.specs if b.kv_events for x in ("--kv-events", f"{b.url}={b.kv_events}")]
     router = WorkersProc(backends[0], *more, *events, "--workers", "2", *flags)
     await router.start()
-    assert router.proc is not None and router.proc.stderr is not None
-    line = await asyncio.wait_for(router.proc.stderr.readline(), 60)  # printed once all workers listen
-    assert b"workers=2" in line, line
+    await until_all_listen(router)
     return router
+
+
+async def until_all_listen(router: RouterProc) -> list[bytes]:
+    """The supervisor's stderr lines up to the one it prints once all workers listen (before it: a
+    line per dead supervisor's leftovers it removed, if any)."""
+    assert router.proc is not None and router.proc.stderr is not None
+    lines: list[bytes] = []
+    while not lines or b"workers=2" not in lines[-1]:
+        lines.append(await asyncio.wait_for(router.proc.stderr.readline(), 60))
+        assert lines[-1], f"stderr closed: {lines}"
+        assert len(lines) < 50 and b"Traceback" not in lines[-1], lines
+    return lines
 
 
 async def test_traffic_from_both_workers_and_the_shared_table_returns_to_zero(

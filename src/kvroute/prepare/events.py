@@ -83,6 +83,7 @@ class EventSubscriber:
         self.bad = 0
         self.partial = 0
         self.synced = asyncio.Event()
+        self._replayed_to: int | None = None  # the last batch the replay on subscribe applied
 
     async def run(self) -> None:
         sock = self.ctx.socket(zmq.SUB)
@@ -142,7 +143,7 @@ class EventSubscriber:
             self.kv.reset(self.backend, self.clock())
             log.info("backend %d: no KV event replay on subscribe; approximate view for now", self.backend)
         self.synced.set()
-        last = self.last_seq
+        last = self._replayed_to = self.last_seq
         while last is not None:  # live batches queued during the replay
             frames = _recv_now(sock)
             if frames is None:
@@ -167,6 +168,10 @@ class EventSubscriber:
             self.bad += 1
             return
         last = self.last_seq
+        if self._replayed_to is not None:  # a live batch the replay on subscribe already applied,
+            if seq <= self._replayed_to:  # delivered late (the replay may end after newer batches)
+                return
+            self._replayed_to = None
         if last is not None and seq <= last:
             if seq < last:  # numbering restarted: the engine restarted with an empty cache
                 self.resets += 1

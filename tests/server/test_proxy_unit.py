@@ -415,7 +415,7 @@ async def test_deferred_tail_after_shutdown_is_dropped_quietly(tokenizer: Tokeni
 async def test_client_gone_at_the_final_end_of_a_stream_is_a_disconnect(
     tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Every chunk reached the client, then its connection is gone when the stream's end is written:
+    """The client's connection is gone when the stream's end (with its last chunk) is written:
     counted as a disconnect like one mid-stream, no traceback (regression: write_eof was uncovered)."""
     from aiohttp import web
     from aiohttp.client_exceptions import ClientConnectionResetError

@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     stream = make_workload(
         "multiturn", args.seed, 1.0, args.duration, users=args.users, max_context_tokens=max_len - 512
     )
-    requests = list(stream)
+    requests = [r for r in stream if r.prompt_len + r.output_len <= max_len]
     logs = Path(args.out).with_suffix(".logs")
     logs.mkdir(parents=True, exist_ok=True)
     settings = [
@@ -242,10 +242,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         for _ in range(2)
     ]
-    load_before = os.getloadavg()[0]
-    t_start = time.monotonic()
-    procs = start_fleet(settings, logs)
-    startup_s = time.monotonic() - t_start
     result: dict[str, Any] = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared), Python {platform.python_version()}",
         "vllm": subprocess.run(
@@ -261,18 +257,23 @@ def main(argv: list[str] | None = None) -> int:
             "count": 2,
             "block_size": args.block_size,
             "kv_blocks": args.kv_blocks,
-            "startup_s": round(startup_s, 1),
         },
         "workload": {
             "name": "multiturn",
             "seed": args.seed,
-            "rate": args.rate,
+            "users": args.users,
+            "rate": round(len(requests) / args.duration, 2),
             "duration_s": args.duration,
             "requests": len(requests),
         },
-        "load_avg_1m_before": load_before,
         "runs": [],
     }
+    load_before = os.getloadavg()[0]
+    t_start = time.monotonic()
+    procs = start_fleet(settings, logs)
+    startup_s = time.monotonic() - t_start
+    result["engines"]["startup_s"] = round(startup_s, 1)
+    result["load_avg_1m_before"] = load_before
     try:
         idle_alone = api_cpu_rate(procs, args.idle)
         result["api_cpu_idle_no_router"] = idle_alone

@@ -109,7 +109,7 @@ async def run_conversations(
                     out.append((c, t, r))
                     reply = "" if stream else r.body["choices"][0]["message"]["content"]
                     history[c].append({"role": "assistant", "content": reply or "ok"})
-                    await quiet(router, idle_s=0.05)
+                    await quiet(router, idle_s=0.2)  # its KV events in (they may trail the response)
     return out
 
 

@@ -33,6 +33,7 @@ conversion (and they need not be below 2**63).
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
 from collections.abc import Sequence
 
@@ -134,11 +135,14 @@ def event_key(lora_name: str | None, block_extra: Sequence[object] | None) -> st
     return _OPAQUE_TAG + repr((lora_name, rest)).encode("utf-8")
 
 
+@functools.lru_cache(maxsize=256)
 def _position_keys(block_size: int, extra_key: str | bytes | None) -> npt.NDArray[np.uint64]:
     """The ``block_size`` per-position keys (uint64) for this block size and extra key.
 
-    SHAKE-128 of a tagged encoding of (block size, extra key), read as little-endian uint64s: one
-    cheap call, identical on every machine.
+    SHAKE-128 of a tagged encoding of (block size, extra key), read as little-endian uint64s,
+    identical on every machine. A pure function, so its last 256 results are kept (read-only
+    arrays): a router hashes every request with the same few keys, and OpenSSL's digest set-up
+    costs more than the hashing of a short prompt.
     """
     if extra_key is None:
         tail = b"\x00"
@@ -146,7 +150,9 @@ def _position_keys(block_size: int, extra_key: str | bytes | None) -> npt.NDArra
         tail = b"\x01" + (extra_key.encode("utf-8") if isinstance(extra_key, str) else bytes(extra_key))
     seed = b"kvroute-blk-v1\x00" + block_size.to_bytes(8, "little") + tail
     raw = hashlib.shake_128(seed).digest(8 * block_size)
-    return np.frombuffer(raw, dtype="<u8").astype(np.uint64)
+    keys = np.frombuffer(raw, dtype="<u8").astype(np.uint64)
+    keys.setflags(write=False)
+    return keys
 
 
 def _fmix64_inplace(x: npt.NDArray[np.uint64], tmp: npt.NDArray[np.uint64]) -> None:

@@ -120,7 +120,9 @@ async def test_prefill_then_decode_nixl_flow(start_role, tokenizer, stream):
             dm = await r.text()
         async with http.get(url(p, "/metrics")) as r:
             pm = await r.text()
-    ext = 'vllm:prompt_tokens_by_source_total{engine="0",model_name="test-model",source="external_kv_transfer"}'
+    ext = (
+        'vllm:prompt_tokens_by_source_total{engine="0",model_name="test-model",source="external_kv_transfer"}'
+    )
     loc = 'vllm:prompt_tokens_by_source_total{engine="0",model_name="test-model",source="local_compute"}'
     assert metric(dm, ext) == n and metric(dm, loc) == 0  # as vLLM 0.32's D counts them
     assert metric(pm, ext) == 0 and metric(pm, loc) == n

@@ -13,6 +13,7 @@ COMPLETION = (
 class OkResponse:
     status = 200
     content_type = "application/json"
+    ended = True  # one chunk, the whole body
 
     async def read(self) -> bytes:
         return COMPLETION

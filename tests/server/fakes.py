@@ -29,6 +29,7 @@ class Scripted:
     break_after: int | None = None
     connect_error: bool = False
     gate: asyncio.Event | None = None  # the first chunk waits for it
+    tells_end: bool = True  # the response says it ended with its last chunk (``ended``)
 
 
 class FakeResponse:
@@ -38,6 +39,7 @@ class FakeResponse:
         self.script = script
         self.released = False
         self.aborted = False
+        self.ended = False  # set with the last chunk of a stream that does not break
 
     async def read(self) -> bytes:
         return b"".join([c async for c in self.iter_chunks()])
@@ -49,6 +51,7 @@ class FakeResponse:
         for i, chunk in enumerate(s.chunks):
             if s.break_after is not None and i >= s.break_after:
                 raise UpstreamBrokenError("scripted break")
+            self.ended = s.tells_end and i + 1 == len(s.chunks) and s.break_after is None
             yield chunk
             await asyncio.sleep(0)
         if s.break_after is not None and s.break_after >= len(s.chunks):

@@ -250,3 +250,23 @@ async def test_close_closes_connections_in_use() -> None:
         await anext(resp.iter_chunks())
         await t.close()
         await asyncio.wait_for(srv.cancelled.wait(), 2.0)
+
+
+async def test_ended_says_when_the_last_chunk_came_with_the_end(transport: H1Transport) -> None:
+    async def stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for last, chunk in ((False, b"data: 0\n\n"), (True, b"data: 1\n\n")):
+            # the last chunk and the chunked end go out in one write
+            await (resp.write_eof(chunk) if last else resp.write(chunk))
+            await asyncio.sleep(0.05)
+        return resp
+
+    async with Server(stream) as srv:
+        resp = await transport.send(srv.url, "POST", "/", b"{}")
+        seen = [(chunk, resp.ended) async for chunk in resp.iter_chunks()]
+        resp.release()
+        assert seen == [(b"data: 0\n\n", False), (b"data: 1\n\n", True)]
+        unread = await transport.send(srv.url, "POST", "/", b"{}")
+        assert not unread.ended  # the head only: its body is still to come
+        unread.abort()

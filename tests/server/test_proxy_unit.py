@@ -464,3 +464,42 @@ async def test_peer_lmetric_bookkeeping_follows_the_live_requests(tokenizer: Tok
         assert counters_zero(server)
     finally:
         await server.stop()
+
+
+async def test_stream_end_goes_out_with_the_last_chunk(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk after which the upstream has ended (``UpstreamResponse.ended``) is written together
+    with the end of the stream (one write); one that is not known to be the last is written alone,
+    then the end. The client gets the same bytes either way."""
+    from aiohttp import web
+
+    calls: list[tuple[str, bytes]] = []
+    real_write, real_eof = web.StreamResponse.write, web.StreamResponse.write_eof
+
+    async def write(self: web.StreamResponse, data: bytes) -> None:
+        calls.append(("write", bytes(data)))
+        await real_write(self, data)
+
+    async def write_eof(self: web.StreamResponse, data: bytes = b"") -> None:
+        if self.chunked and not self._eof_sent:  # a second write_eof is a no-op
+            calls.append(("eof", bytes(data)))
+        await real_eof(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    monkeypatch.setattr(web.StreamResponse, "write_eof", write_eof)
+    chunks = [b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"]
+    t = FakeTransport({A: [Scripted(chunks=chunks), Scripted(chunks=chunks, tells_end=False)]})
+    server = await start(t, tokenizer, A)
+    try:
+        status, _, body = await post(server.url, BODY)
+        assert status == 200 and body == b"".join(chunks)
+        assert calls == [("write", chunks[0]), ("write", chunks[1]), ("eof", chunks[2])]
+
+        calls.clear()
+        status, _, body = await post(server.url, BODY)
+        assert status == 200 and body == b"".join(chunks)
+        assert calls == [*(("write", c) for c in chunks), ("eof", b"")]
+        assert counters_zero(server) and server.state.counters.ok == 2
+    finally:
+        await server.stop()

@@ -105,6 +105,8 @@ async def test_a_backend_deleted_through_the_admin_api_stays_deleted_across_sigh
     file's entry for it changes."""
     from kvroute.server.state.loadtable import url_digest
 
+    from .test_workers import until_all_listen
+
     await engines.add_engine(tokenizer, events=False)
     await engines.add_engine(tokenizer, events=False)
     a, b = (s.url for s in engines.specs)
@@ -128,6 +130,7 @@ async def test_a_backend_deleted_through_the_admin_api_stays_deleted_across_sigh
 
     try:
         await router.start(timeout_s=180)  # two workers, each importing the whole router
+        await until_all_listen(router)  # a SIGHUP to a worker still starting waits for it anyway
         assert await until(lambda: _eq(listed(), {frozenset((a, b))}), 30), await listed()
         async with (
             aiohttp.ClientSession() as s,

@@ -127,7 +127,7 @@ async def test_a_replica_with_workers_receives_once_for_its_machine(
     """Replica B runs ``--workers 2``: its supervisor binds ``--peer-bind`` and writes the other
     replicas' load into the machine's table, so every worker's view (and /metrics) shows replica A's
     streams; B's workers publish under one replica id, so A sees B's streams too."""
-    from .test_workers import WorkersProc, scrape_worker
+    from .test_workers import WorkersProc, scrape_worker, until_all_listen
 
     for _ in range(2):
         await engines.add_engine(tokenizer, events=False, time_scale=SLOW)
@@ -140,9 +140,7 @@ async def test_a_replica_with_workers_receives_once_for_its_machine(
     b = WorkersProc(engines.specs[0].url, *backends, "--peer-bind", binds[1], "--workers", "2", *common)
     try:
         await asyncio.gather(a.start(), b.start())
-        assert b.proc is not None and b.proc.stderr is not None
-        line = await asyncio.wait_for(b.proc.stderr.readline(), 60)
-        assert b"workers=2" in line, line
+        await until_all_listen(b)
         a_streams = [asyncio.create_task(stream(a.url, 40)) for _ in range(3)]
 
         async def every_worker_sees_a() -> bool:

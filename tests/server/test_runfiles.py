@@ -17,7 +17,7 @@ from kvroute.server.state.runfiles import PREFIX, RunFiles, sweep
 from kvroute.tokenizer import Tokenizer
 
 from .test_e2e import Cluster
-from .test_workers import WorkersProc
+from .test_workers import WorkersProc, until_all_listen
 
 SHM = Path("/dev/shm")
 needs_shm = pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm on this machine (POSIX shared memory)")
@@ -57,12 +57,7 @@ async def start_workers(engines: Cluster) -> tuple[WorkersProc, list[bytes]]:
     """A supervisor of 2 workers, once both listen; its stderr lines until then."""
     router = WorkersProc(engines.specs[0].url, "--workers", "2")
     await router.start(timeout_s=180)
-    assert router.proc is not None and router.proc.stderr is not None
-    lines = []
-    while not lines or b"workers=2" not in lines[-1]:
-        lines.append(await asyncio.wait_for(router.proc.stderr.readline(), 120))
-        assert lines[-1], "stderr closed"
-    return router, lines
+    return router, await until_all_listen(router)
 
 
 def _runs(tmp: Path) -> list[Path]:

@@ -102,7 +102,7 @@ async def test_scraper_slows_down_while_idle_and_speeds_up_with_requests_in_flig
         await asyncio.sleep(1.0)
         busy = monitors[0].scrapes - idle
         lease.release()
-        assert busy >= 12 and scrapers[0].interval_s == 0.05
+        assert busy >= 8 and scrapers[0].interval_s == 0.05  # ~20 at 50 ms; the idle rate was ~2.5/s
     finally:
         for t in tasks:
             t.cancel()

@@ -295,6 +295,8 @@ async def test_replay_on_subscribe_before_any_live_batch(first: int) -> None:
             await sub.synced.wait()
         assert sub.replayed == 3 and sub.last_seq == first + 2 and sub.batches == 3
         assert kv.match(hash_blocks(toks, 16), 1.0) == [3]
+        await sub.handle(encode_seq(first + 1), batch([]))  # a live batch the replay had: late, dropped
+        assert sub.resets == 0 and sub.last_seq == first + 2
         if first == 0:
             assert (sub.partial, sub.resets, kv.mode(0, 1.0)) == (0, 0, "exact")
         else:

@@ -143,8 +143,30 @@ async def test_cache_salt_salted_repeat_hits_and_unsalted_same_text_misses(
             url + "/v1/chat/completions", json={"model": MODEL, "messages": msgs, "cache_salt": 3}
         ) as r:
             assert r.status == 400  # the router refuses a non-string salt
+        # completions too: a salted text prompt, then its salted repeat on the holder
+        body = {"model": MODEL, "prompt": "Salted completion prompt about rivers. " * 30, "max_tokens": 2}
+        salted = {**body, "cache_salt": "tenant-c"}
+        async with s.post(url + "/v1/completions", json=salted) as r:
+            assert r.status == 200 and int(r.headers["x-kvroute-cached-tokens"]) == 0
+            first = r.headers["x-kvroute-backend"]
+        await settle(fleet)
+        async with s.post(url + "/v1/completions", json=salted) as r:
+            data = await r.json()
+            hit = int(r.headers["x-kvroute-cached-tokens"])
+            assert r.headers["x-kvroute-backend"] == first
+            assert hit == data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        await settle(fleet)
+        async with s.post(url + "/v1/completions", json=body) as r:
+            data = await r.json()
+            assert int(r.headers["x-kvroute-cached-tokens"]) == 0
+            assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     roots = [e for e in seen if e.parent_block_hash is None]
-    assert {e.extra_keys[0] if e.extra_keys else None for e in roots} == {("tenant-a",), ("tenant-b",), None}
+    assert {e.extra_keys[0] if e.extra_keys else None for e in roots} == {
+        ("tenant-a",),
+        ("tenant-b",),
+        ("tenant-c",),
+        None,
+    }
     assert all(e.extra_keys is not None and len(e.extra_keys) == len(e.block_hashes) for e in seen)
     assert all(k is None for e in seen if e.parent_block_hash is not None for k in e.extra_keys or ())
 
@@ -290,3 +312,15 @@ async def test_late_all_blocks_cleared_is_bounded_by_the_shortfall_evidence(
         async with s.get(url + "/metrics") as r:
             metrics = await r.text()
     assert f'kvroute_kv_cached_shortfalls_total{{backend="{holder}"}} 1.0' in metrics
+
+
+async def test_router_metrics_name_the_scraper(fleet: Fleet, tokenizer: Tokenizer) -> None:
+    """Fix 3 on /metrics: a single router is its machine's scraper; idle, its interval grows."""
+    await fleet.engine(tokenizer)
+    url = await fleet.start(tokenizer)
+    await asyncio.sleep(1.0)
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    assert "kvroute_scraper 1.0" in text and "kvroute_scrapes_total" in text
+    line = next(x for x in text.splitlines() if x.startswith("kvroute_scrape_interval_seconds"))
+    assert float(line.split()[-1]) > 0.05

@@ -76,6 +76,12 @@ def test_compare_writes_results_table_and_plots_matching_direct_runs(
         ("lmetric", 1.0),
     ]
     assert all("samples" not in r for r in runs)
+    # the bound (kvroute.sim.bound) at each rate: no policy's mean TTFT or KV hit rate beats it
+    bounds = {b["rate"]: b for b in results["bound"]["rates"]}
+    assert set(bounds) == {0.5, 1.0} and "### the bound" in printed
+    for r in runs:
+        assert r["ttft_ms"]["mean"] >= bounds[r["rate_scale"]]["ttft_mean_ms"]
+        assert r["kv_hit_rate"] <= bounds[r["rate_scale"]]["oracle_kv_hit_rate"] + 1e-9
     for r in runs:
         direct = run_spec(tiny_spec(r["policy"], r["rate_scale"]))
         assert r["ttft_ms"] == direct["ttft_ms"]

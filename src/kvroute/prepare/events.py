@@ -34,9 +34,18 @@ __all__ = ["EventSubscriber"]
 log = logging.getLogger("kvroute.prepare.events")
 
 
-def _recv_now(sock: zmq.asyncio.Socket) -> list[bytes]:
+def _queued(sock: zmq.asyncio.Socket) -> bool:
+    """A message is queued on ``sock`` (``ZMQ_EVENTS``; reading it also clears the socket's FD
+    signal, so a level-triggered reader on that FD fires again only when something new happens)."""
+    events = zmq.Socket.getsockopt(sock, zmq.EVENTS)
+    return isinstance(events, int) and bool(events & zmq.POLLIN)
+
+
+def _recv_now(sock: zmq.asyncio.Socket) -> list[bytes] | None:
     """One queued multipart message, received synchronously (the base class's methods bypass the
-    asyncio socket's futures); raises ``zmq.Again`` when none is queued."""
+    asyncio socket's futures); None when none is queued (no ``zmq.Again`` raised and caught)."""
+    if not _queued(sock):
+        return None
     frames = [zmq.Socket.recv(sock, zmq.NOBLOCK)]
     while zmq.Socket.getsockopt(sock, zmq.RCVMORE):
         frames.append(zmq.Socket.recv(sock))
@@ -74,26 +83,46 @@ class EventSubscriber:
         self.bad = 0
         self.partial = 0
         self.synced = asyncio.Event()
+        self._replayed_to: int | None = None  # the last batch the replay on subscribe applied
 
     async def run(self) -> None:
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(self.endpoint)
+        loop = asyncio.get_running_loop()
+        fd = sock.fileno()  # ZMQ_FD
+        waiter: asyncio.Future[None] | None = None
+
+        def readable() -> None:
+            # ZMQ's FD only says "look at ZMQ_EVENTS"; looking clears it (see _queued)
+            if _queued(sock) and waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+        reading = False
         try:
             await self._catch_up(sock)
+            loop.add_reader(fd, readable)
+            reading = True
             while True:
-                frames = await sock.recv_multipart()
-                while True:
+                # drain what is queued (bursts under load), then wait for the FD: one reader
+                # callback per wake-up, no future per message and no zmq.Again per drain
+                frames = _recv_now(sock)
+                while frames is not None:
                     if len(frames) < 2:
                         self.bad += 1
                     else:
                         await self.handle(frames[-2], frames[-1])
-                    try:  # drain what is already queued (bursts under load) without a loop round trip
-                        frames = _recv_now(sock)
-                    except zmq.Again:
-                        break
+                    frames = _recv_now(sock)
+                waiter = loop.create_future()
+                try:
+                    if not _queued(sock):  # nothing arrived since the last look
+                        await waiter
+                finally:
+                    waiter = None
         finally:
+            if reading:
+                loop.remove_reader(fd)
             self.synced.set()
             sock.close(0)
 
@@ -114,11 +143,10 @@ class EventSubscriber:
             self.kv.reset(self.backend, self.clock())
             log.info("backend %d: no KV event replay on subscribe; approximate view for now", self.backend)
         self.synced.set()
-        last = self.last_seq
+        last = self._replayed_to = self.last_seq
         while last is not None:  # live batches queued during the replay
-            try:
-                frames = _recv_now(sock)
-            except zmq.Again:
+            frames = _recv_now(sock)
+            if frames is None:
                 return
             if len(frames) < 2:
                 self.bad += 1
@@ -140,6 +168,10 @@ class EventSubscriber:
             self.bad += 1
             return
         last = self.last_seq
+        if self._replayed_to is not None:  # a live batch the replay on subscribe already applied,
+            if seq <= self._replayed_to:  # delivered late (the replay may end after newer batches)
+                return
+            self._replayed_to = None
         if last is not None and seq <= last:
             if seq < last:  # numbering restarted: the engine restarted with an empty cache
                 self.resets += 1

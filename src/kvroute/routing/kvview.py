@@ -30,13 +30,11 @@ the same methods, so the simulator simulates what the router sees.
   cleared and, for ``recovery_s`` seconds, its match is ``max(exact, approximate)`` (new events are
   exact; the history covers what was cached before the gap); then it is exact again.
 
-Shortfall evidence (backends with KV events, :meth:`KVView.on_usage`): a response whose real
-``cached_tokens`` is below half the prediction and short by at least one engine block drops that
-backend's history and,
-unless an ``AllBlocksCleared`` reached the view after the request was routed, its exact entries,
-keeping the request's own prompt (see ``_shortfall``). vLLM publishes ``AllBlocksCleared`` only with
-its next step, so the requests routed between a reset and that step are mispredicted; the ones after
-are not.
+Shortfall evidence (:meth:`KVView.on_usage`): a response whose real ``cached_tokens`` is below half
+the prediction and short by at least one engine block is counted per backend (``shortfalls``); on a
+backend with KV events it drops that backend's routing history (but the request's own prompt), and
+the exact entries are left to the events (vLLM publishes ``AllBlocksCleared`` only with its next
+step, so the requests routed between a reset and that step are mispredicted; the ones after are not).
 
 Correction in approximate mode (:meth:`KVView.on_usage`): when a response reports
 ``usage.prompt_tokens_details.cached_tokens``, the router compares it with its prediction for that
@@ -47,7 +45,6 @@ missed blocks (up to the configured capacity). Additive increase, multiplicative
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from itertools import groupby
 
@@ -58,7 +55,6 @@ from kvroute.index import ApproxPrefixIndex, PrefixIndex
 __all__ = ["KVView"]
 
 _SHRINK = 0.9
-_EPOCHS = 65536  # routed requests remembered for the shortfall evidence (oldest forgotten first)
 
 
 _Page = tuple[int | None, tuple[int, ...], tuple[int, ...]]
@@ -117,9 +113,6 @@ class KVView:
         self.skipped_blocks = 0  # BlockStored blocks dropped (unknown parent, no tokens, block size)
         self.corrections = 0
         self.shortfalls: dict[int, int] = {}  # per backend: responses far below the prediction
-        self._clears: dict[int, int] = {}  # per backend: AllBlocksCleared events and resets applied
-        # (backend, a routed chain's last block) -> the backend's clears when it was routed
-        self._routed_epoch: OrderedDict[tuple[int, int], int] = OrderedDict()
         # Called with the backend index on AllBlocksCleared (cold start: the backend warms up again).
         self.on_cleared: Callable[[int], None] | None = None
         # Per backend: the engine's own block size, tokens, as learned (BlockStored.block_size, the
@@ -225,11 +218,6 @@ class KVView:
 
     def on_routed(self, backend: int, chain: Sequence[int], now: float) -> None:
         """A request with block ``chain`` was sent to ``backend`` (records the routing history)."""
-        if chain and backend in self._exact_set:  # which clears had reached the view (see _shortfall)
-            epochs = self._routed_epoch
-            epochs[(backend, chain[-1])] = self._clears.get(backend, 0)
-            if len(epochs) > _EPOCHS:
-                epochs.popitem(last=False)
         if chain and (self.history or backend not in self._exact_set):
             self.approx.assign(backend, chain, self._now(now))
 
@@ -262,12 +250,12 @@ class KVView:
         """A real ``cached_tokens`` far below the prediction (below half of it, and short by at least
         one engine block) is evidence that ``backend`` lost what the view says it holds: a
         prefix-cache reset (vLLM publishes its ``AllBlocksCleared`` only with its next step), or
-        evictions whose events were lost. Counted per backend in ``shortfalls``. On a backend with
-        KV events (True is returned): its routing history is dropped (it believed the lost blocks
-        too), and so is its exact view, unless a clear reached the view after the request was routed
-        (the event explained the shortfall, and what was stored since is real); either way the
-        engine now holds this request's prompt (it just computed it), in whole engine blocks: that is
-        kept. An approximate backend's capacity correction handles it (False)."""
+        evictions. Counted per backend in ``shortfalls``. On a backend with KV events (True is
+        returned) its routing history, which believed the lost blocks too, is dropped but for this
+        request's prompt in whole engine blocks (the engine just computed it); its exact entries are
+        left to the events, which are authoritative and already on their way (the late clear comes
+        with the step that served this request, a BlockRemoved with its eviction, a lost batch is a
+        sequence gap). An approximate backend's capacity correction handles it (False)."""
         predicted = predicted_blocks * self.block_size
         ebs = self.engine_block_size(backend)
         if not (cached_tokens * 2 < predicted and predicted - cached_tokens >= ebs):
@@ -279,11 +267,6 @@ class KVView:
         self.approx.clear(backend)
         if held:
             self.approx.assign(backend, held, self._now(now))
-        epoch = self._routed_epoch.pop((backend, chain[-1]), None) if chain else None
-        if epoch is not None and epoch != self._clears.get(backend, 0):
-            return True
-        self.exact.clear(backend)  # the engine-hash maps stay: later BlockRemoved events still resolve
-        self.exact.store(backend, held)
         return True
 
     def expire(self, now: float) -> int:
@@ -305,7 +288,6 @@ class KVView:
     def reset(self, backend: int, now: float) -> None:
         """The event stream of ``backend`` has an unrecoverable gap: clear its exact entries and use
         ``max(exact, approximate)`` for ``recovery_s`` seconds."""
-        self._clears[backend] = self._clears.get(backend, 0) + 1
         self.exact.clear(backend)
         self._hash_maps.setdefault(backend, {}).clear()
         self._pages.pop(backend, None)
@@ -333,7 +315,6 @@ class KVView:
                 if ours:
                     self.exact.remove(backend, ours)
             elif isinstance(ev, AllBlocksCleared):
-                self._clears[backend] = self._clears.get(backend, 0) + 1
                 self.exact.clear(backend)
                 hmap.clear()
                 self._pages.pop(backend, None)

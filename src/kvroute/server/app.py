@@ -44,7 +44,7 @@ from kvroute.server.sync.fleet import STATIC, Changes, Fleet
 from kvroute.server.sync.journal import AdminJournal
 from kvroute.server.sync.monitor import Monitor
 from kvroute.server.sync.peers import PeerCollector, PeerLink, PeerSettings
-from kvroute.server.sync.scrape import Scraper, ScrapeSchedule
+from kvroute.server.sync.scrape import Scraper, ScraperCollector, ScrapeSchedule
 from kvroute.server.wire.h1 import H1Transport
 from kvroute.server.wire.http import error_response
 from kvroute.server.wire.httperrors import JsonErrorRunner, RateLimitedLog, json_errors
@@ -129,6 +129,7 @@ class RouterServer:
         self._site: web.TCPSite | None = None
         self.draining = False  # shutting down: /health answers 503
         self.registry.register(RouterCollector(self.state, self.subscribers, self.proxy))
+        self.registry.register(ScraperCollector(self.scraper))
         self._features: FeatureCollector | None = None
         self._register_features()
         self._preloading: asyncio.Task[None] | None = None

@@ -40,6 +40,7 @@ All in seconds and tokens; pure functions of the workload's requests and the cos
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from array import array
@@ -319,10 +320,26 @@ def capacity_bound(
 
 
 def spec_engine(spec: RunSpec) -> Engine:
-    """The engine limits of ``spec``'s instances (its profile, chunk budget and batch limit)."""
-    from kvroute.sim.runner import load_profile
+    """The engine limits of ``spec``'s instances (its profile, chunk budget and batch limit);
+    computed once per process for each (profile, limits): a million step times."""
+    return _engine_of(
+        spec.profile,
+        spec.profile_dir,
+        spec.model_config,
+        spec.tp,
+        spec.max_num_batched_tokens,
+        spec.max_num_seqs,
+    )
 
-    return peak_rate(load_profile(spec).cost, spec.max_num_batched_tokens, spec.max_num_seqs)
+
+@functools.lru_cache(maxsize=8)
+def _engine_of(
+    profile: str | None, profile_dir: str | None, model_config: str | None, tp: int, budget: int, seqs: int
+) -> Engine:
+    from kvroute.sim.runner import RunSpec, load_profile
+
+    spec = RunSpec(profile=profile, profile_dir=profile_dir, model_config=model_config, tp=tp)
+    return peak_rate(load_profile(spec).cost, budget, seqs)
 
 
 def spec_bound(spec: RunSpec, engine: Engine) -> WorkloadBound:

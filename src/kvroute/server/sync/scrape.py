@@ -24,12 +24,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from kvroute.server.state.router import RouterState
 from kvroute.server.sync.monitor import Monitor
 
-__all__ = ["ScrapeSchedule", "Scraper", "next_interval"]
+__all__ = ["ScrapeSchedule", "Scraper", "ScraperCollector", "next_interval"]
 
 log = logging.getLogger("kvroute.server")
 
@@ -133,3 +137,29 @@ class Scraper:
         finally:
             if self.scraping:
                 self.state.table.release_scraper()
+
+
+class ScraperCollector(Collector):
+    """``kvroute_scrapes_total`` / ``kvroute_scrape_failures_total`` (this process's),
+    ``kvroute_scraper`` (1 when this process is the machine's scraper) and
+    ``kvroute_scrape_interval_seconds`` (its current interval)."""
+
+    def __init__(self, scraper: Scraper) -> None:
+        self.scraper = scraper
+
+    def collect(self) -> Iterator[Metric]:
+        sc, mon = self.scraper, self.scraper.monitor
+        yield CounterMetricFamily(
+            "kvroute_scrapes", "Engine /metrics scrapes by this process", value=mon.scrapes
+        )
+        yield CounterMetricFamily(
+            "kvroute_scrape_failures", "Engine /metrics scrapes that failed", value=mon.scrape_failures
+        )
+        yield GaugeMetricFamily(
+            "kvroute_scraper",
+            "1 when this process is its machine's scraper",
+            value=1.0 if sc.scraping else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "kvroute_scrape_interval_seconds", "The scraper's current interval", value=sc.interval_s
+        )

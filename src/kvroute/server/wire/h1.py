@@ -188,6 +188,11 @@ class _H1Response:
         self.status = conn.status
         self.content_type = conn.content_type
 
+    @property
+    def ended(self) -> bool:
+        conn = self._conn
+        return conn.complete and not conn.body and conn.error is None
+
     async def read(self) -> bytes:
         parts = [chunk async for chunk in self.iter_chunks()]
         return b"".join(parts)

@@ -6,9 +6,11 @@ Rules (the pipeline's module docstring has the whole request's):
   it is no answer at all (``Relayed.response is None``: the pipeline retries elsewhere);
 - a non-streamed request, or a response that is not a 200, is buffered and answered whole; a body
   that breaks off becomes a 502 JSON error;
-- a stream is passed through chunk by chunk; one that breaks off ends with an SSE error event
-  (``data: {"error": ...}`` then ``data: [DONE]``); a client that goes away ends it (at any chunk or
-  at the final end of the stream: a ``cancelled`` outcome, no traceback);
+- a stream is passed through chunk by chunk, as the upstream's reads deliver them (what arrived
+  together goes out together; the last chunk and the end of the stream go out in one write when
+  the upstream is known to have ended, ``UpstreamResponse.ended``); one that breaks off ends with
+  an SSE error event (``data: {"error": ...}`` then ``data: [DONE]``); a client that goes away
+  ends it (at any chunk or at the final end of the stream: a ``cancelled`` outcome, no traceback);
 - while the router shuts down (``draining()`` true), a stream cancelled by the drain ends with an SSE
   error event too.
 
@@ -124,7 +126,7 @@ async def relay(
         if headers:
             out.headers.update(headers)
         out.enable_chunked_encoding()
-        relayed = await _stream(request, out, first, chunks, after_first, draining, t_first)
+        relayed = await _stream(request, out, up, first, chunks, after_first, draining, t_first)
         done = relayed.end is not None
         return relayed
     finally:
@@ -160,26 +162,29 @@ async def _buffered(
 async def _stream(
     request: web.Request,
     out: web.StreamResponse,
+    up: UpstreamResponse,
     first: bytes,
     chunks: AsyncIterator[bytes],
     after_first: Callable[[], None] | None,
     draining: Callable[[], bool],
     t_first: float,
 ) -> Relayed:
-    """Stream to the client; ``end`` is the stream's last bytes when it ended normally."""
+    """Stream to the client; ``end`` is the stream's last bytes when it ended normally. A chunk
+    after which ``up`` has ended goes out with the stream's end (one write); the final
+    :func:`_eof` is then a no-op."""
 
     def ended(outcome: str, end: bytes | None = None) -> Relayed:
         status = out.status if out.prepared else None
         return Relayed(outcome, out, status, end is not None, end, t_first)
 
     try:
-        await _write(out, request, first, prepare=True)
+        await _write(out, request, first, prepare=True, last=up.ended)
         if after_first is not None:
             asyncio.get_running_loop().call_soon(after_first)
         tail = first
         try:
             async for chunk in chunks:
-                await _write(out, request, chunk)
+                await _write(out, request, chunk, last=up.ended)
                 tail = (tail + chunk)[-TAIL_BYTES:] if len(chunk) < TAIL_BYTES else chunk
         except UpstreamBrokenError as exc:
             err = ApiError(502, f"backend stream broke off: {exc}", etype="upstream_error")
@@ -211,11 +216,16 @@ async def _eof(out: web.StreamResponse) -> None:
         raise _ClientGone(str(exc)) from None
 
 
-async def _write(out: web.StreamResponse, request: web.Request, data: bytes, prepare: bool = False) -> None:
+async def _write(
+    out: web.StreamResponse, request: web.Request, data: bytes, prepare: bool = False, last: bool = False
+) -> None:
+    """``data`` to the client (after the head when ``prepare``); ``last``: with the stream's end."""
     try:
         if prepare:
             await out.prepare(request)
-        if data:
+        if last:
+            await out.write_eof(data)
+        elif data:
             await out.write(data)
     except (ConnectionError, RuntimeError) as exc:  # ClientConnectionResetError is a ConnectionError
         raise _ClientGone(str(exc)) from None

@@ -43,11 +43,16 @@ class UpstreamResponse(Protocol):
 
     Exactly one of ``release`` (body fully read, keep the connection) or ``abort`` (drop the
     connection, which makes a vLLM-style engine cancel the request) must end its use; both are
-    idempotent.
+    idempotent. ``ended``: the body is known to be complete with nothing left unread, so the chunk
+    ``iter_chunks`` yielded last is the final one (False when not known yet; the relay then sends
+    that chunk together with the end of its own stream, one write instead of two).
     """
 
     status: int
     content_type: str
+
+    @property
+    def ended(self) -> bool: ...
 
     async def read(self) -> bytes: ...
 
@@ -82,6 +87,10 @@ class _AiohttpResponse:
         self._resp = resp
         self.status = resp.status
         self.content_type = resp.headers.get("Content-Type", "application/json")
+
+    @property
+    def ended(self) -> bool:
+        return self._resp.content.at_eof()
 
     async def read(self) -> bytes:
         try:

@@ -323,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                 if idle_router is not None:
                     result["api_cpu_idle_router_attached"] = idle_router
                 result["runs"].append(row)
+                write(result, args.out, argv)  # after every run: a cut-short evaluation keeps its runs
                 print(
                     json.dumps(
                         {
@@ -342,8 +343,15 @@ def main(argv: list[str] | None = None) -> int:
                 run += 1
     finally:
         stop_all(procs)
+    write(result, args.out, argv)
+    print(f"wrote {args.out} and {Path(args.out).with_suffix('.json')}")
+    return 0
+
+
+def write(result: dict[str, Any], out_path: str, argv: list[str] | None) -> None:
+    """The markdown and the JSON of the runs so far."""
     result["load_avg_1m_after"] = os.getloadavg()[0]
-    out = Path(args.out)
+    out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     out.write_text(
@@ -352,8 +360,6 @@ def main(argv: list[str] | None = None) -> int:
             " ".join(["python", "scripts/real_vllm_eval.py", *(argv if argv is not None else sys.argv[1:])]),
         )
     )
-    print(f"wrote {out} and {out.with_suffix('.json')}")
-    return 0
 
 
 def procs_index(procs: list[VllmProcess], url: str) -> int:

@@ -104,8 +104,8 @@ def shape(value: Any) -> Any:
 
 
 def differences(real: Any, emu: Any, where: str = "") -> list[str]:
-    """Where the emulator's shape differs from vLLM's (``null`` matches anything: an optional field
-    unset on one side), minus :data:`DELIBERATE`."""
+    """Where the emulator's shape differs from vLLM's (``null`` matches anything, and a key vLLM sends
+    as null may be absent: an optional field unset), minus :data:`DELIBERATE`."""
     if real == "null" or emu == "null":
         return []
     if isinstance(real, dict) and isinstance(emu, dict):
@@ -114,7 +114,7 @@ def differences(real: Any, emu: Any, where: str = "") -> list[str]:
         for k in sorted(set(real) | set(emu)):
             here = f"{where}.{k}".lstrip(".")
             if k not in emu:
-                if k not in allowed:
+                if k not in allowed and real[k] != "null":  # an unset optional field: left out
                     out.append(f"{here}: only in vLLM")
             elif k not in real:
                 out.append(f"{here}: only in the emulator")

@@ -94,3 +94,71 @@ async def test_sighup_reloads_backends_rejects_a_broken_file_and_keeps_streams(
         assert "Traceback" not in err
     finally:
         await router.close()
+
+
+async def test_a_backend_deleted_through_the_admin_api_stays_deleted_across_sighup(
+    engines: Cluster, tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    """Regression: a SIGHUP reload of an unchanged file brought back a backend deleted through the
+    admin API, on the worker that reloaded, so workers and replicas disagreed. Two workers here: the
+    deletion reaches one, the journal the other; SIGHUP reaches both; neither lists it again until the
+    file's entry for it changes."""
+    from kvroute.server.state.loadtable import url_digest
+
+    from .test_workers import until_all_listen
+
+    await engines.add_engine(tokenizer, events=False)
+    await engines.add_engine(tokenizer, events=False)
+    a, b = (s.url for s in engines.specs)
+    config = tmp_path / "router.yaml"
+    config.write_text(f"backends: [{a}, {b}]\n")
+    router = RouterProc(a, "--config", str(config), "--workers", "2", "--admin-token", "t")
+    auth = {"Authorization": "Bearer t"}
+
+    async def listed() -> set[frozenset[str]]:
+        """What each of a dozen fresh connections (spread over the workers) sees as active."""
+        seen = set()
+        for _ in range(12):
+            connector = aiohttp.TCPConnector(force_close=True)
+            async with (
+                aiohttp.ClientSession(connector=connector) as s,
+                s.get(router.url + "/admin/backends", headers=auth) as r,
+            ):
+                data = (await r.json())["data"]
+            seen.add(frozenset(d["url"] for d in data if d["state"] == "active"))
+        return seen
+
+    try:
+        await router.start(timeout_s=180)  # two workers, each importing the whole router
+        await until_all_listen(router)  # a SIGHUP to a worker still starting waits for it anyway
+        assert await until(lambda: _eq(listed(), {frozenset((a, b))}), 30), await listed()
+        async with (
+            aiohttp.ClientSession() as s,
+            s.delete(f"{router.url}/admin/backends/{url_digest(b)}", headers=auth) as r,
+        ):
+            assert r.status == 202
+        assert await until(lambda: _eq(listed(), {frozenset((a,))}), 30), await listed()
+        router.signal(signal.SIGHUP)  # the same file
+        await asyncio.sleep(1.0)
+        assert await listed() == {frozenset((a,))}
+        config.write_text(f"backends: [{a}]\n")  # the operator takes it off the file ...
+        router.signal(signal.SIGHUP)
+        await asyncio.sleep(1.0)
+        config.write_text(f"backends: [{a}, {b}]\n")  # ... and lists it again: it is back
+        router.signal(signal.SIGHUP)
+        assert await until(lambda: _eq(listed(), {frozenset((a, b))}), 30), await listed()
+        router.signal(signal.SIGTERM)
+        code, err = await router.exit_status()
+        assert code == 0, err
+        assert "Traceback" not in err
+    except BaseException:
+        if router.proc is not None and router.proc.returncode is None:
+            router.proc.kill()
+            print((await router.proc.communicate())[1].decode()[-4000:])  # the router's side of it
+        raise
+    finally:
+        await router.close()
+
+
+async def _eq(got, want) -> bool:  # type: ignore[no-untyped-def]
+    return await got == want

@@ -307,3 +307,25 @@ async def test_an_admin_change_on_one_worker_reaches_the_other(
                     seen.add(worker)
     finally:
         await router.close()
+
+
+def test_sighup_waits_for_a_starting_worker_to_listen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: a SIGHUP forwarded to a worker still starting (no handler installed yet) killed
+    it, and at startup the supervisor with it. A starting worker gets it once it says it listens."""
+    from types import SimpleNamespace
+
+    from kvroute.server.config import BackendSpec, RouterConfig
+    from kvroute.server.workers import Supervisor, _Worker
+
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr("kvroute.server.workers.os.kill", lambda pid, sig: sent.append((pid, sig)))
+    sup = Supervisor(RouterConfig(backends=(BackendSpec("http://127.0.0.1:1"),), port=0), 2)
+    up = _Worker(1, SimpleNamespace(pid=101), None, 0.0, listening=True)  # type: ignore[arg-type]
+    starting = _Worker(2, SimpleNamespace(pid=102), None, 0.0)  # type: ignore[arg-type]
+    sup._procs = {1: up, 2: starting}
+    sup._on_signal(signal.SIGHUP)
+    assert sent == [(101, signal.SIGHUP)] and starting.pending_hup
+    sup._listening(starting)
+    assert sent == [(101, signal.SIGHUP), (102, signal.SIGHUP)] and not starting.pending_hup
+    sup._on_signal(signal.SIGTERM)  # a stop reaches every worker, starting or not
+    assert sent[-2:] == [(101, signal.SIGTERM), (102, signal.SIGTERM)]

@@ -285,18 +285,21 @@ def render_body(req: GenerateRequest, body: Mapping[str, Any], rid: str) -> dict
     }
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, block_size: int) -> dict[str, Any]:
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int, block_size: int, created: bool = True
+) -> dict[str, Any]:
     """vLLM 0.32's usage with ``--enable-prompt-tokens-details``: ``cached_tokens`` (the prefix-cache
     hit), ``created_cache_tokens`` (the prompt tokens this request added to the cache: its full
-    blocks, ``block_size`` tokens each, minus the hit) and ``multimodal_tokens`` (None: text only)."""
-    created = max(0, prompt_tokens // block_size * block_size - cached_tokens)
+    blocks, ``block_size`` tokens each, minus the hit; vLLM's completions endpoint leaves it unset:
+    ``created`` False) and ``multimodal_tokens`` (None: text only)."""
+    made = max(0, prompt_tokens // block_size * block_size - cached_tokens) if created else None
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
         "prompt_tokens_details": {
             "cached_tokens": cached_tokens,
-            "created_cache_tokens": created,
+            "created_cache_tokens": made,
             "multimodal_tokens": None,
         },
     }

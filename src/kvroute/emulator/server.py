@@ -614,7 +614,7 @@ class EmulatorServer:
             created,
             text,
             "length",
-            usage(len(req.prompt_ids), n, cached, self.engine_config.block_size),
+            usage(len(req.prompt_ids), n, cached, self.engine_config.block_size, req.kind == "chat"),
         )
         if self.kv_transfer is not None:
             body["kv_transfer_params"] = (
@@ -649,7 +649,13 @@ class EmulatorServer:
                             req,
                             rid,
                             created,
-                            usage(len(req.prompt_ids), sent, cached, self.engine_config.block_size),
+                            usage(
+                                len(req.prompt_ids),
+                                sent,
+                                cached,
+                                self.engine_config.block_size,
+                                req.kind == "chat",
+                            ),
                         )
                     )
                 )

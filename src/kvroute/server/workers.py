@@ -25,7 +25,8 @@ Layout
 - **Signals**: SIGTERM/SIGINT to the supervisor are forwarded to every worker, which drains as a single
   process does (:meth:`~kvroute.server.app.RouterServer.shutdown`); a second one is forwarded too (end
   the drain now). The supervisor exits 0 once every worker has exited. SIGHUP is forwarded to every
-  worker. Workers run in their own process group, so a terminal's Ctrl-C reaches each once (through
+  worker once it listens (a worker still starting has no handler yet: it gets the SIGHUP when it says it
+  listens). Workers run in their own process group, so a terminal's Ctrl-C reaches each once (through
   the supervisor), not twice; a worker whose supervisor vanished (SIGKILL) drains and exits by itself
   (checked every ``ORPHAN_CHECK_S``).
 - **Restarts**: a worker that exits while the supervisor is not stopping is restarted after a backoff
@@ -229,6 +230,8 @@ class _Worker:
     process: BaseProcess
     ready: Connection
     started: float
+    listening: bool = False  # it reported "ready": its signal handlers are installed
+    pending_hup: bool = False  # a SIGHUP came while it was starting: forwarded once it listens
 
 
 class Supervisor:
@@ -263,6 +266,7 @@ class Supervisor:
         self._spec: SharedTableSpec | None = None
         self._lock: Any = None
         self._journal: str | None = None
+        self._watchers: set[asyncio.Task[None]] = set()  # restarted workers awaited until they listen
 
     async def run(self) -> int:
         cfg = self.config
@@ -367,6 +371,29 @@ class Supervisor:
             kind, detail = "error", "exited while starting"
         if kind != "ready":
             raise UserError(f"worker {k}: {detail}")
+        self._listening(w)
+
+    def _listening(self, w: _Worker) -> None:
+        """Worker ``w`` listens (its handlers are installed): a SIGHUP held for it goes now."""
+        w.listening = True
+        if w.pending_hup and w.process.pid is not None:
+            w.pending_hup = False
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w.process.pid, signal.SIGHUP)
+
+    async def _watch_restart(self, k: int) -> None:
+        """A restarted worker: mark it listening once it says so (it may die first: then nothing)."""
+        w = self._procs.get(k)
+        while w is not None and self._procs.get(k) is w and not self._stopping:
+            try:
+                if w.ready.poll():
+                    kind, _ = w.ready.recv()
+                    if kind == "ready":
+                        self._listening(w)
+                    return
+            except (EOFError, OSError):
+                return
+            await asyncio.sleep(0.05)
 
     def _on_exit(self, k: int) -> None:
         """Worker ``k``'s process ended: zero its row; restart it unless stopping."""
@@ -401,6 +428,9 @@ class Supervisor:
             return
         self.restarts += 1
         self._spawn(k)
+        task = asyncio.get_running_loop().create_task(self._watch_restart(k))
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
 
     def _on_signal(self, sig: signal.Signals) -> None:
         name = signal.Signals(sig).name
@@ -413,6 +443,10 @@ class Supervisor:
             if not self._procs:
                 self._all_exited.set()
         for w in list(self._procs.values()):
+            if sig == signal.SIGHUP and not w.listening:
+                # still starting: its handlers are not installed yet, and a SIGHUP would kill it
+                w.pending_hup = True
+                continue
             if w.process.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(w.process.pid, sig)

@@ -79,6 +79,33 @@ def test_attention_grid_fills_missing_slice_from_nearest():
     assert g(0, 0, 1, 48) == pytest.approx(5.0)
 
 
+def test_extrapolation_never_falls_below_the_last_profiled_time():
+    """A last segment that slopes down (profiling noise) must not extrapolate to shorter, let alone
+    negative, kernel times far beyond the table."""
+    from kvroute.engine.cost import Table1D
+
+    t = Table1D((0.0, 10.0, 20.0), (1.0, 6.0, 5.0))
+    assert t(15.0) == pytest.approx(5.5)  # inside: plain interpolation
+    assert t(1000.0) == pytest.approx(5.0)  # beyond: flat, not 5 - 98
+    import numpy as np
+
+    assert t.sample(np.array([15.0, 1000.0])).tolist() == pytest.approx([5.5, 5.0])
+    down = [{"pc": 0, "nd": 1, "kp": [0], "kv": [[16, 32]], "us": [[4.0, 3.0]]}]
+    g = AttentionGrid(down)
+    assert g(0, 0, 1, 24) == pytest.approx(3.5)
+    assert g(0, 0, 1, 10_000) == pytest.approx(3.0)
+
+
+def test_default_profile_long_mixed_step_is_positive():
+    """The case that went negative: an 894-token chunk after 37k tokens of history beside 55 decodes
+    of 8k context each, on the default profile (seen as -0.06 s before the edge clamp)."""
+    from kvroute.engine.cost import DEFAULT_PROFILE
+
+    cost = get_profile(DEFAULT_PROFILE).cost
+    t = cost.step_time([(894, 37_000)], 55, 55 * 8192)
+    assert t > cost.step_time([(894, 0)], 55, 55 * 1024) > 0
+
+
 def test_dense_and_moe_tables(qwen_tables):
     # dense.csv at tokens=1: 2×layernorm 2.12267 + qkv_proj 9.39733 + qk_norm 1.936 + rotary_emb 2.42133
     # + o_proj 7.435

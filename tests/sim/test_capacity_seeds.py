@@ -270,7 +270,7 @@ def plan(**changes: Any) -> PaperPlan:
         refine=1,
         capacity_refine=2,
         staleness_workload=None,
-        **changes,
+        **{"bound": False, **changes},  # the bound simulates the named workloads: none exist here
     ).check()
 
 

@@ -123,7 +123,10 @@ def kv_capacity_tokens(
 
 
 def _bracket(xs: Sequence[float], q: float) -> tuple[int, int, float]:
-    """(lo, hi, t) for linear interpolation on sorted ``xs``: clamp below, extrapolate above."""
+    """(lo, hi, t) for linear interpolation on sorted ``xs``: clamp below, extrapolate above (t > 1).
+    Callers never let an extrapolated time fall below the last profiled one: a kernel does not get
+    faster with more work, and a last segment that happens to slope down (profiling noise) would
+    otherwise reach negative times far beyond the table."""
     n = len(xs)
     if n == 1 or q <= xs[0]:
         return 0, 0, 0.0
@@ -145,6 +148,9 @@ class Table1D:
     def __call__(self, x: float) -> float:
         lo, hi, t = _bracket(self.xs, x)
         y0 = self.ys[lo]
+        if t > 1.0:  # above the table: the last segment's slope, never downwards
+            y1 = self.ys[hi]
+            return y1 + (t - 1.0) * max(y1 - y0, 0.0)
         return y0 + t * (self.ys[hi] - y0) if t else y0
 
     def sample(self, grid: np.ndarray) -> np.ndarray:
@@ -154,7 +160,7 @@ class Table1D:
         out = np.interp(grid, xs, ys)
         if len(xs) >= 2:
             above = grid > xs[-1]
-            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+            slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
             out[above] = ys[-1] + (grid[above] - xs[-1]) * slope
         return out
 
@@ -169,7 +175,7 @@ def _interp_extrap(
     if len(x) >= 2:
         above = grid > x[-1]
         if above.any():
-            out[above] = y[-1] + (grid[above] - x[-1]) * (y[-1] - y[-2]) / (x[-1] - x[-2])
+            out[above] = y[-1] + (grid[above] - x[-1]) * max((y[-1] - y[-2]) / (x[-1] - x[-2]), 0.0)
     return out
 
 
@@ -226,11 +232,35 @@ class AttentionGrid:
         self._nd_stride = len(self.kps) * len(self.kvs)
 
     def __call__(self, pc: float, kp: float, nd: float, kv: float) -> float:
-        """µs for a step with ``pc`` prefill tokens over ``kp`` history and ``nd`` decodes of mean ``kv``."""
+        """µs for a step with ``pc`` prefill tokens over ``kp`` history and ``nd`` decodes of mean ``kv``.
+        Beyond the grid: multilinear extrapolation, never below the value at the grid's edge."""
         p0, p1, tp = _bracket(self.pcs, pc)
         n0, n1, tn = _bracket(self.nds, nd)
         k0, k1, tk = _bracket(self.kps, kp)
         v0, v1, tv = _bracket(self.kvs, kv)
+        out = self._lookup(p0, p1, tp, n0, n1, tn, k0, k1, tk, v0, v1, tv)
+        if tp > 1.0 or tn > 1.0 or tk > 1.0 or tv > 1.0:
+            edge = self._lookup(
+                p0, p1, min(tp, 1.0), n0, n1, min(tn, 1.0), k0, k1, min(tk, 1.0), v0, v1, min(tv, 1.0)
+            )
+            out = max(out, edge)
+        return out
+
+    def _lookup(
+        self,
+        p0: int,
+        p1: int,
+        tp: float,
+        n0: int,
+        n1: int,
+        tn: float,
+        k0: int,
+        k1: int,
+        tk: float,
+        v0: int,
+        v1: int,
+        tv: float,
+    ) -> float:
         vals = self._values
         nkv = len(self.kvs)
         ps, ns = self._pc_stride, self._nd_stride
@@ -671,7 +701,7 @@ class ProfileCostModel:
             us = self._dense_us(tokens) + self._moe_us(tokens, 1, 1) * self.model.num_layers
         us += self._seq(len(prefill) + num_decode)
         us += self._attention_us(prefill, num_decode, decode_kv_tokens)
-        return us * 1e-6
+        return max(us, 0.0) * 1e-6
 
     def dp_group_step_time(
         self,

@@ -14,6 +14,8 @@ from kvroute.chat_template import ChatTemplateError, chat_options
 from kvroute.tokenizer import Tokenizer, message_text
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest default
+SYSTEM_FINGERPRINT = "kvroute-emulated"
+"""vLLM 0.32 puts ``system_fingerprint`` ("vllm-VERSION-HASH") in whole responses and the usage chunk."""
 
 
 class ApiError(Exception):
@@ -326,7 +328,15 @@ def usage_chunk(req: GenerateRequest, rid: str, created: int, use: dict[str, Any
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     details = {k: v for k, v in use["prompt_tokens_details"].items() if v is not None}
     use = {**use, "prompt_tokens_details": details}
-    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [], "usage": use}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": req.model,
+        "choices": [],
+        "usage": use,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+    }
 
 
 def full_response(
@@ -357,4 +367,5 @@ def full_response(
         "model": req.model,
         "choices": [choice],
         "usage": use,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
     }

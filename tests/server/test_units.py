@@ -168,6 +168,26 @@ def stored(engine_hashes: list[int], parent: int | None, toks: list[int]) -> Blo
     return BlockStored(tuple(engine_hashes), parent, tuple(toks), 16)
 
 
+@pytest.mark.parametrize("engine_block", [16, 32])
+def test_a_hash_cached_twice_stays_until_its_last_copy_is_removed(engine_block: int) -> None:
+    """vLLM's block pool can cache one hash in two blocks (two requests computed the same block at
+    once): a BlockStored for each, then a BlockRemoved for each copy it evicts. The view keeps the
+    prefix while a copy is left (seen on real vLLM: predicted 256 cached tokens, got 800)."""
+    kv = KVView(1, 16, capacity_blocks=100, ttl_s=None, recovery_s=5.0, exact_backends=[0])
+    toks = tokens(64)
+    chain = hash_blocks(toks, 16)
+    n = 64 // engine_block
+    ev = BlockStored(tuple(range(100, 100 + n)), None, tuple(toks), engine_block)
+    kv.apply_events(0, [ev, ev])  # the same blocks stored twice
+    assert kv.match(chain, 1.0) == [4]
+    kv.apply_events(0, [BlockRemoved((101,))])  # one copy of the second engine block evicted
+    assert kv.match(chain, 1.0) == [4]
+    kv.apply_events(0, [BlockRemoved((101,))])  # its last copy
+    assert kv.match(chain, 1.0) == [engine_block // 16]  # the blocks before the removed one
+    kv.apply_events(0, [ev, AllBlocksCleared(), ev, BlockRemoved((100,))])  # a clear forgets copies
+    assert kv.match(chain, 1.0) == [0]
+
+
 def test_exact_view_rebuilds_router_hashes_from_token_ids() -> None:
     kv = KVView(2, 16, capacity_blocks=100, ttl_s=None, recovery_s=5.0, exact_backends=[1])
     toks = tokens(64)

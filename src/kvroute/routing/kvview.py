@@ -105,6 +105,9 @@ class KVView:
         # re-blocked engine blocks: engine hash -> (router hash of the last full block before its end
         # or None, the tokens after that block, the router blocks it completed)
         self._pages: dict[int, dict[int, _Page]] = {}
+        # engine hash -> copies beyond the first: vLLM's block pool may cache one hash in several blocks
+        # (BlockStored for each) and sends BlockRemoved for each copy it evicts, while others stay
+        self._copies: dict[int, dict[int, int]] = {}
         self._recover_until: dict[int, float] = {}
         self._removed: set[int] = set()  # backends gone for good (indices are never reused)
         self._last_now = float("-inf")
@@ -175,6 +178,7 @@ class KVView:
         self._exact_set = self._exact_set - {backend}
         self._hash_maps.pop(backend, None)
         self._pages.pop(backend, None)
+        self._copies.pop(backend, None)
         self._recover_until.pop(backend, None)
         self.engine_blocks.pop(backend, None)
         self._removed.add(backend)
@@ -193,6 +197,7 @@ class KVView:
             self._exact_set = self._exact_set - {backend}
             self._hash_maps.pop(backend, None)
             self._pages.pop(backend, None)
+            self._copies.pop(backend, None)
             self._recover_until.pop(backend, None)
 
     def match(self, chain: Sequence[int], now: float) -> list[int]:
@@ -291,6 +296,7 @@ class KVView:
         self.exact.clear(backend)
         self._hash_maps.setdefault(backend, {}).clear()
         self._pages.pop(backend, None)
+        self._copies.pop(backend, None)
         self._recover_until[backend] = now + self.recovery_s
 
     def apply_events(self, backend: int, events: Sequence[KVEvent]) -> None:
@@ -298,17 +304,18 @@ class KVView:
         hmap = self._hash_maps.setdefault(backend, {})
         for ev in events:
             if isinstance(ev, BlockStored):
+                if self.rehash:
+                    self._count_copies(backend, hmap, ev.block_hashes)
                 self._stored(backend, hmap, ev)
             elif isinstance(ev, BlockRemoved):
                 if not self.rehash:
                     self.exact.remove(backend, ev.block_hashes)
                     continue
-                ours = [
-                    h for h in map(hmap.pop, ev.block_hashes, [None] * len(ev.block_hashes)) if h is not None
-                ]
+                gone = self._last_copies(backend, ev.block_hashes)
+                ours = [h for h in map(hmap.pop, gone, [None] * len(gone)) if h is not None]
                 pages = self._pages.get(backend)
-                if pages and len(ours) < len(ev.block_hashes):
-                    for eh in ev.block_hashes:
+                if pages and len(ours) < len(gone):
+                    for eh in gone:
                         page = pages.pop(eh, None)
                         if page is not None:
                             ours.extend(page[2])
@@ -318,8 +325,33 @@ class KVView:
                 self.exact.clear(backend)
                 hmap.clear()
                 self._pages.pop(backend, None)
+                self._copies.pop(backend, None)
                 if self.on_cleared is not None:
                     self.on_cleared(backend)
+
+    def _count_copies(self, backend: int, hmap: dict[int, int], hashes: Sequence[int]) -> None:
+        """A BlockStored of engine hashes already held: one more copy each."""
+        pages = self._pages.get(backend)
+        for eh in hashes:
+            if eh in hmap or (pages is not None and eh in pages):
+                copies = self._copies.setdefault(backend, {})
+                copies[eh] = copies.get(eh, 0) + 1
+
+    def _last_copies(self, backend: int, hashes: Sequence[int]) -> Sequence[int]:
+        """The engine hashes of a BlockRemoved whose last copy went (the others: one copy less)."""
+        copies = self._copies.get(backend)
+        if not copies:
+            return hashes
+        gone = []
+        for eh in hashes:
+            n = copies.get(eh, 0)
+            if n > 1:
+                copies[eh] = n - 1
+            elif n == 1:
+                del copies[eh]
+            else:
+                gone.append(eh)
+        return gone
 
     def _stored(self, backend: int, hmap: dict[int, int], ev: BlockStored) -> None:
         if ev.block_size > self.engine_blocks.get(backend, 0):  # SGLang: a node's last page may be shorter

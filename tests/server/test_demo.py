@@ -30,6 +30,16 @@ def test_demo_runs_the_policies_over_http(tmp_path: Path, capsys: pytest.Capture
         assert r["kv_hit_rate"] > 0
     text = capsys.readouterr().out
     assert "| lmetric |" in text and "| round-robin |" in text and "multiturn" in text
+    # the simulated-only table: lmetric (+queue), the peers' variants, and the bound below them all
+    sim = dict(
+        (cells[0], float(cells[1]))
+        for line in text.split("In the simulator only", 1)[1].splitlines()
+        if line.startswith("| ") and not line.startswith("| policy")
+        for cells in [[c.strip().removeprefix("≥ ") for c in line.strip("|").split("|")]]
+    )
+    bound = next(v for k, v in sim.items() if k.startswith("bound"))
+    assert {"lmetric", "lmetric +queue", "aibrix-lmetric", "dynamo-lmetric"} <= set(sim)
+    assert all(0 < bound <= v for k, v in sim.items() if not k.startswith("bound"))
 
 
 def test_demo_rejects_nonsense(capsys: pytest.CaptureFixture[str]) -> None:

@@ -26,9 +26,15 @@ from typing import Any
 
 from kvroute.errors import UserError
 
-HELP = "the main job: 4 emulated engines + the router; lmetric vs vllm, llm-d, round-robin over HTTP"
+HELP = (
+    "the main job: 4 emulated engines + the router; lmetric vs vllm, llm-d, round-robin over HTTP; "
+    "the peers' variants, +queue and the bound in the simulator"
+)
 
 POLICIES = ("lmetric", "vllm", "llm-d", "round-robin")
+# simulated only (same workload, seed and cluster): the peers' LMetric variants, lmetric behind the
+# router-side queue, and the bound (kvroute.sim.bound) no router beats
+SIM_POLICIES = ("aibrix-lmetric", "llm-d-lmetric", "dynamo-lmetric", "vllm-router-smetric")
 WORKLOAD = "multiturn"
 RATE_SCALE = 1.4
 
@@ -48,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--policies", default=",".join(POLICIES), help=f"comma-separated (default {','.join(POLICIES)})"
+    )
+    p.add_argument(
+        "--sim-policies",
+        default=",".join(SIM_POLICIES),
+        help="also in the simulator only, beside lmetric +queue and the bound (default the peers' "
+        f"LMetric variants: {','.join(SIM_POLICIES)}; '' for none)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
@@ -133,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
     from kvroute.workloads import WORKLOADS
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    for p in policies:
+    sim_only = [p.strip() for p in args.sim_policies.split(",") if p.strip()]
+    for p in (*policies, *sim_only):
         make_policy(p)
     if args.workload not in WORKLOADS:
         raise UserError(f"unknown workload {args.workload!r}; choose one of {', '.join(WORKLOADS)}")
@@ -197,6 +210,46 @@ def run(args: argparse.Namespace) -> int:
         "\nRun it yourself: kvroute up --instances 4 & kvroute bench --url http://127.0.0.1:8080 "
         f"--workload {args.workload}"
     )
+    _simulated_only(args, sim_only)
     if args.json:
         write_json(args.json, rows)
     return 0
+
+
+def _simulated_only(args: argparse.Namespace, policies: list[str]) -> None:
+    """The peers' variants, lmetric +queue and the bound on the demo's workload, in the simulator."""
+    from kvroute.routing.queue import QueueConfig
+    from kvroute.sim.bound import spec_bound, spec_engine
+    from kvroute.sim.runner import RunSpec, run_spec
+
+    def spec(policy: str, queue: QueueConfig | None = None) -> RunSpec:
+        return RunSpec(
+            policy=policy,
+            instances=args.instances,
+            workload=args.workload,
+            duration=args.duration,
+            rate_scale=args.rate_scale,
+            seed=args.seed,
+            router_queue=queue,
+        )
+
+    arms = [("lmetric", spec("lmetric")), ("lmetric +queue", spec("lmetric", QueueConfig()))]
+    arms += [(p, spec(p)) for p in policies]
+    print(
+        "\nIn the simulator only (same workload, seed and cluster): lmetric with the router-side queue, "
+        "the peers' LMetric variants, and the bound no router beats:\n"
+    )
+    print("| policy | simulated TTFT mean (ms) | p99 (ms) | KV hit rate | vs lmetric |")
+    print("|---|---:|---:|---:|---:|")
+    results = [(name, run_spec(s)) for name, s in arms]
+    base = float(results[0][1]["ttft_ms"]["mean"])  # lmetric's
+    for name, r in results:
+        print(
+            f"| {name} | {r['ttft_ms']['mean']:.1f} | {r['ttft_ms']['p99']:.1f} | {r['kv_hit_rate']:.3f} | "
+            f"{r['ttft_ms']['mean'] / base:.2f}× |"
+        )
+    b = spec_bound(spec("lmetric"), spec_engine(spec("lmetric")))
+    print(
+        f"| bound (oracle cache, pooled SRPT; docs/results/bound.md) | ≥ {b.ttft_mean_bound_ms:.1f} | "
+        f"≥ {b.ttft_floor_p99_ms:.1f} | ≤ {b.oracle_hit_rate:.3f} | {b.ttft_mean_bound_ms / base:.2f}× |"
+    )

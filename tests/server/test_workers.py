@@ -329,3 +329,41 @@ def test_sighup_waits_for_a_starting_worker_to_listen(monkeypatch: pytest.Monkey
     assert sent == [(101, signal.SIGHUP), (102, signal.SIGHUP)] and not starting.pending_hup
     sup._on_signal(signal.SIGTERM)  # a stop reaches every worker, starting or not
     assert sent[-2:] == [(101, signal.SIGTERM), (102, signal.SIGTERM)]
+
+
+def test_a_worker_restarted_after_a_sighup_starts_with_the_reloaded_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: a restarted worker ran the start-up config, not what the last SIGHUP reloaded.
+    The supervisor keeps the reloaded file's reloadable fields for the workers it spawns next; a
+    file the workers would reject leaves them as they were."""
+    import dataclasses
+
+    from kvroute.errors import UserError
+    from kvroute.server.config import BackendSpec, RouterConfig
+    from kvroute.server.run import Reloader
+    from kvroute.server.workers import Supervisor
+
+    monkeypatch.setattr("kvroute.server.workers.os.kill", lambda pid, sig: None)
+    start = RouterConfig(backends=(BackendSpec("http://127.0.0.1:1"),), port=0, policy="lmetric")
+    files = [dataclasses.replace(start, backends=(BackendSpec("http://127.0.0.1:2"),), policy="vllm", port=9)]
+
+    def load() -> RouterConfig:
+        if isinstance(files[-1], Exception):
+            raise files[-1]
+        return files[-1]
+
+    sup = Supervisor(start, 2, reloader=Reloader("router.yaml", load))
+    sup.config = dataclasses.replace(sup.config, port=4321)  # as run() sets the concrete port
+    sup._on_signal(signal.SIGHUP)
+    assert sup.config.policy == "vllm" and sup.config.backends == files[0].backends
+    assert sup.config.port == 4321  # not reloadable: the supervisor's bound port stays
+    files.append(dataclasses.replace(files[0], policy="no-such-policy"))
+    sup._on_signal(signal.SIGHUP)  # the workers reject it: nothing changes for the next spawns
+    assert sup.config.policy == "vllm"
+    files.append(UserError("router.yaml: line 3: bad"))  # type: ignore[arg-type]
+    sup._on_signal(signal.SIGHUP)
+    assert sup.config.policy == "vllm"
+    nothing = Supervisor(start, 2, reloader=Reloader(None, load))  # no --config: nothing to follow
+    nothing._on_signal(signal.SIGHUP)
+    assert nothing.config == start

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 from kvroute.policies.registry import make_policy
 from kvroute.prepare.events import EventSubscriber
 from kvroute.prepare.tokenize import RequestTokenizer
-from kvroute.server.config import BackendSpec, RouterConfig
+from kvroute.server.config import RELOADABLE, BackendSpec, RouterConfig
 from kvroute.server.observe.dashboard import add_dashboard_routes
 from kvroute.server.observe.debug import add_debug_routes
 from kvroute.server.observe.exporter import RouterCollector, render_metrics
@@ -250,12 +250,9 @@ class RouterServer:
         restart = [
             f.name
             for f in dataclasses.fields(RouterConfig)
-            if f.name not in ("backends", "policy", "features")
-            and getattr(new, f.name) != getattr(old, f.name)
+            if f.name not in RELOADABLE and getattr(new, f.name) != getattr(old, f.name)
         ]
-        self.config = dataclasses.replace(
-            old, backends=new.backends, policy=new.policy, features=new.features
-        )
+        self.config = old.reloaded(new)
         parts = [f"backends: {changes.describe()}"]
         if policy_changed:
             parts.append(f"policy: {self.state.routing.name}")

@@ -49,6 +49,7 @@ A backend mapping may carry ``tags: [spot]`` (spot instances, see ``features.lim
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -85,6 +86,11 @@ class BackendSpec:
     lora_adapters: tuple[str, ...] = ()
     engine: str | None = None
     role: str | None = None
+
+
+RELOADABLE: tuple[str, ...] = ("backends", "policy", "features")
+"""The :class:`RouterConfig` fields a SIGHUP reload applies to a running router (the others need a
+restart): see :meth:`RouterConfig.reloaded`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +197,11 @@ class RouterConfig:
     otel: bool = False
     router_queue: QueueConfig | None = None  # the router-side queue (kvroute.routing.queue); None: off
     engine_limits: tuple[int, int] = (0, 0)  # the engines' (max_num_batched_tokens, max_num_seqs); 0: unknown
+
+    def reloaded(self, new: RouterConfig) -> RouterConfig:
+        """This config with ``new``'s :data:`RELOADABLE` fields: what a router started with this
+        config runs after a SIGHUP reload of ``new`` (the other fields keep their values)."""
+        return dataclasses.replace(self, **{f: getattr(new, f) for f in RELOADABLE})
 
     def validate(self) -> RouterConfig:
         """Return self; raise :class:`UserError` for a value out of range."""

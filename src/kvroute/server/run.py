@@ -23,6 +23,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from kvroute.errors import UserError
+from kvroute.policies.registry import make_policy
+from kvroute.routing.core import with_features
 from kvroute.server.app import RouterServer
 from kvroute.server.config import RouterConfig
 from kvroute.server.sync.discovery import ParseBackends
@@ -41,6 +43,13 @@ class Reloader:
 
     path: str | None
     load: Callable[[], RouterConfig]
+
+    def checked(self) -> RouterConfig:
+        """Re-read the file and check what :meth:`RouterServer.apply_config` would reject (its values,
+        the policy with its features) without applying it; raises UserError, ValueError or TypeError."""
+        new = self.load().validate()
+        with_features(make_policy(new.policy), new.features)
+        return new
 
     def reload(self, server: RouterServer) -> bool:
         """Reload into ``server``; one line on stderr either way. True if applied."""

@@ -32,6 +32,8 @@ Layout
 - **Restarts**: a worker that exits while the supervisor is not stopping is restarted after a backoff
   (``RESTART_MIN_S`` doubling up to ``RESTART_MAX_S``; back to the minimum once a worker has lived
   ``RESTART_RESET_S``). Its table row is zeroed as soon as it is gone: its requests died with it.
+  It starts with the config the others run: the start-up one with what the last SIGHUP reloaded
+  (the supervisor re-reads and checks the file too), then replays the admin journal.
 - The shared memory is unlinked when the supervisor exits, on errors too. What a supervisor owns (its
   run folder with the admin journal, the table's shared memory and semaphore) is stamped with its pid
   and locked while it lives; the next supervisor to start removes a dead one's
@@ -432,9 +434,23 @@ class Supervisor:
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
 
+    def _follow_reload(self) -> None:
+        """A SIGHUP: workers spawned from now on (restarts) start with the reloaded file's
+        :data:`~kvroute.server.config.RELOADABLE` fields, as the running workers apply them, not with
+        the start-up config. A file the workers reject (each says so) changes nothing here either."""
+        if self.reloader is None or self.reloader.path is None:
+            return
+        try:
+            new = self.reloader.checked()
+        except (UserError, ValueError, TypeError):
+            return
+        self.config = self.config.reloaded(new)
+
     def _on_signal(self, sig: signal.Signals) -> None:
         name = signal.Signals(sig).name
-        if sig != signal.SIGHUP:
+        if sig == signal.SIGHUP:
+            self._follow_reload()
+        else:
             if not self._stopping:
                 print(
                     f"kvroute serve: {name}: stopping {len(self._procs)} workers", file=sys.stderr, flush=True

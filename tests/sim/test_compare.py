@@ -41,6 +41,7 @@ from kvroute.sim.compare import (
     run_one,
     run_paper,
 )
+from kvroute.routing.queue import QueueConfig
 from kvroute.sim.runner import SAMPLE_POINTS, RunSpec, run_spec
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -52,6 +53,27 @@ def tiny_spec(policy: str, rate: float, **changes: Any) -> RunSpec:
 
 
 # ------------------------------------------------------------------------------------------ CLI, real runs
+
+
+def test_compare_runs_arms_with_the_queue_or_without_prefix_caching(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Plain compare takes the preset's arms: ' +queue' runs the router-side queue, ' (prefix caching
+    off)' engines that do not cache; each arm's run equals the direct run of its spec."""
+    arms = "lmetric,lmetric +queue,vllm (prefix caching off)"
+    argv = ["compare", *TINY, "--policies", arms, "--rate-scales", "4", "--out", str(tmp_path / "o")]
+    assert main([*argv, "--jobs", "1", "--no-progress"]) == 0
+    results = json.loads((tmp_path / "o" / "results.json").read_text())
+    runs = {r["policy"]: r for r in results["runs"]}
+    assert list(runs) == arms.split(",")
+    assert "router_queue" in runs["lmetric +queue"] and "router_queue" not in runs["lmetric"]
+    assert runs["lmetric +queue"]["command"].endswith("--router-queue")
+    assert runs["vllm (prefix caching off)"]["kv_hit_rate"] == 0.0 < runs["lmetric"]["kv_hit_rate"]
+    direct = run_spec(tiny_spec("lmetric", 4.0, router_queue=QueueConfig()))
+    assert runs["lmetric +queue"]["ttft_ms"] == direct["ttft_ms"]
+    assert f"--policies '{arms}'" in results["command"]
+    assert "lmetric +queue" in capsys.readouterr().out
+    assert main(["compare", *TINY, "--policies", "lmetric +nope", "--no-progress"]) == 2
 
 
 def test_compare_writes_results_table_and_plots_matching_direct_runs(

@@ -53,7 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p)
     add_cluster_arguments(p)
     add_feature_arguments(p, simulation=True)
-    p.add_argument("--policies", help="comma-separated policies, e.g. vllm,lmetric,linear:0.7")
+    p.add_argument(
+        "--policies",
+        help="comma-separated policies, e.g. vllm,lmetric,linear:0.7; a name ending in ' +queue' runs that "
+        "policy behind the router-side queue, one ending in ' (prefix caching off)' on engines that do not cache",
+    )
     p.add_argument(
         "--rate-scales",
         help="comma-separated rate scales (default: --rate-scale); CDFs are drawn at --rate-scale when "
@@ -361,13 +365,13 @@ def _runner(args: argparse.Namespace, on_done: Any) -> Any:
 
 def run_compare(args: argparse.Namespace) -> int:
     from kvroute.commands.sim import spec_from_args
-    from kvroute.sim.compare import expand_grid, reference_setting
+    from kvroute.sim.compare import arm_spec, expand_grid, reference_setting, split_arm
 
     if args.trace is None and args.workload is None:
         raise UserError("give --trace FILE or --workload NAME (or --preset paper)")
     if args.policies is None:
         raise UserError("give --policies a,b,c")
-    policies = parse_list(args.policies, "--policies", _policy, bool, "a policy")
+    policies = parse_list(args.policies, "--policies", _arm, bool, "a policy")
     rates = parse_list(args.rate_scales, "--rate-scales", float, _positive, "a positive number")
     rates = rates or [args.rate_scale]
     if not _positive(args.rate_scale):
@@ -379,9 +383,13 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.seeds is not None:
         raise UserError("--seeds is for --preset (give --seed N for one run)")
     slo = _plain_slo(args)
-    base = spec_from_args(args, policies[0])
+    base = spec_from_args(args, split_arm(policies[0])[0])
     at = default_rate(rates, args.rate_scale)
-    specs = expand_grid(base, policies, rates, scrapes, delays, samples_at=at)
+    specs = [
+        spec
+        for arm in policies  # an arm: a policy, maybe with " +queue" or " (prefix caching off)"
+        for spec in expand_grid(arm_spec(base, arm), [split_arm(arm)[0]], rates, scrapes, delays, samples_at=at)
+    ]
     out_dir = Path(args.out or "compare-out")
     make_dir(out_dir)
     t0 = time.perf_counter()
@@ -447,10 +455,10 @@ def _plain_capacity(base: Any, policies: Sequence[str], light: float, slo: Any, 
     from dataclasses import replace
 
     from kvroute.sim.capacity import CapacityRule, CapacitySearch
-    from kvroute.sim.compare import run_capacity
+    from kvroute.sim.compare import arm_spec, run_capacity
 
     searches = {p: CapacitySearch(CapacityRule(light, slo)) for p in policies}
-    caps = run_capacity(searches, lambda p, r: replace(base, policy=p, rate_scale=r), run)
+    caps = run_capacity(searches, lambda p, r: replace(arm_spec(base, p), rate_scale=r), run)
     return {
         "slo": {"ttft_p99_ms": slo.ttft_p99_ms, "tpot_p99_ms": slo.tpot_p99_ms},
         "policies": {p: c.to_dict() for p, c in caps.items()},
@@ -531,7 +539,7 @@ def compare_command(
 
     sim = sim_command(replace(base, rate_scale=1.0)).removeprefix("kvroute sim ")
     sim = sim.replace(f" --policy {base.policy}", "")
-    parts = ["kvroute compare", sim, f"--policies {','.join(policies)}"]
+    parts = ["kvroute compare", sim, f"--policies {shlex.quote(','.join(policies))}"]
     parts.append(f"--rate-scales {','.join(f'{r:g}' for r in rates)}")
     if args.rate_scale != 1.0:
         parts.append(f"--rate-scale {args.rate_scale:g}")

@@ -351,6 +351,17 @@ def arm_changes(arm: str) -> dict[str, Any]:
     }
 
 
+def arm_spec(base: RunSpec, arm: str) -> RunSpec:
+    """``base`` run as ``arm`` (plain ``kvroute compare``): the arm's policy; its suffixes turn prefix
+    caching off or the router-side queue on (``base``'s own queue settings, else the defaults), and
+    an arm without them keeps ``base``'s (so ``--router-queue`` still queues every arm)."""
+    policy, caching = split_arm(arm)
+    queue = base.router_queue
+    if queue is None and has_queue(arm):
+        queue = QueueConfig()
+    return replace(base, policy=policy, prefix_caching=base.prefix_caching and caching, router_queue=queue)
+
+
 @dataclass(frozen=True, slots=True)
 class PaperWorkload:
     """One workload of the preset: a synthetic ``workload`` name or a ``trace`` file; ``light_rate``

@@ -28,6 +28,7 @@ from kvroute.commands.compare import (
 from kvroute.commands.settings import sim_command
 from kvroute.errors import UserError
 from kvroute.metrics import quantile_points_ms
+from kvroute.routing.queue import QueueConfig
 from kvroute.sim.compare import (
     PaperPlan,
     PaperWorkload,
@@ -41,7 +42,6 @@ from kvroute.sim.compare import (
     run_one,
     run_paper,
 )
-from kvroute.routing.queue import QueueConfig
 from kvroute.sim.runner import SAMPLE_POINTS, RunSpec, run_spec
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -388,7 +388,9 @@ def run_compare(args: argparse.Namespace) -> int:
     specs = [
         spec
         for arm in policies  # an arm: a policy, maybe with " +queue" or " (prefix caching off)"
-        for spec in expand_grid(arm_spec(base, arm), [split_arm(arm)[0]], rates, scrapes, delays, samples_at=at)
+        for spec in expand_grid(
+            arm_spec(base, arm), [split_arm(arm)[0]], rates, scrapes, delays, samples_at=at
+        )
     ]
     out_dir = Path(args.out or "compare-out")
     make_dir(out_dir)

@@ -64,6 +64,7 @@ Single-threaded: one owner per queue.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
@@ -217,40 +218,92 @@ class _Entry:
 
 
 class _Lane:
-    """One (band, pool)'s requests: a FCFS deque per user and the fair-queueing tags."""
+    """One (band, pool)'s requests: a FCFS deque per user and the fair-queueing tags.
 
-    __slots__ = ("finish", "users", "vtime")
+    :meth:`first` is O(log users): a user whose finish tag is at most the lane's virtual time has
+    tag V, so those users wait in ``_at_v`` ordered by their head's arrival seq; the others in
+    ``_ahead`` ordered by (finish tag, seq). Heap entries carry the user's version and are checked
+    when they reach the top (a stale one is dropped and the user re-filed): :meth:`refile` must be
+    called whenever a user's head moves to an *earlier* request or the user's finish tag changes;
+    a head that died or was taken off only makes the user's key larger, which the check catches."""
+
+    __slots__ = ("_ahead", "_at_v", "_ver", "finish", "users", "vtime")
 
     def __init__(self) -> None:
         self.users: dict[str, deque[_Entry]] = {}
         self.finish: dict[str, float] = {}  # user -> tag where its last served request ended
         self.vtime = 0.0  # start tag of the request served last
+        self._ahead: list[tuple[float, int, str, int]] = []  # (finish tag > V, head seq, user, version)
+        self._at_v: list[tuple[int, str, int]] = []  # (head seq, user, version): finish tag <= V
+        self._ver: dict[str, int] = {}
+
+    def add(self, user: str, e: _Entry) -> None:
+        """Append ``e`` to ``user``'s requests (files the user when ``e`` is its head)."""
+        q = self.users.setdefault(user, deque())
+        q.append(e)
+        if len(q) == 1:
+            self.refile(user)
+
+    def put_back(self, user: str, e: _Entry) -> None:
+        """``e`` was taken off ``user``'s front and not served: it is the head again."""
+        self.users.setdefault(user, deque()).appendleft(e)
+        self.refile(user)
+
+    def refile(self, user: str) -> None:
+        """File ``user`` under its current head and finish tag (older entries become stale)."""
+        e = self.head(user)
+        if e is None:
+            return
+        ver = self._ver[user] = self._ver.get(user, 0) + 1
+        f = self.finish.get(user)
+        if f is not None and f > self.vtime:
+            heapq.heappush(self._ahead, (f, e.seq, user, ver))
+        else:
+            heapq.heappush(self._at_v, (e.seq, user, ver))
 
     def head(self, user: str) -> _Entry | None:
         """``user``'s first live entry (dead ones dropped); None, and the user removed, if none."""
-        q = self.users[user]
+        q = self.users.get(user)
         while q and not q[0].live:
             q.popleft()
         if q:
             return q[0]
-        del self.users[user]
+        if q is not None:
+            del self.users[user]
+        self._ver.pop(user, None)
         if self.finish.get(user, 0.0) <= self.vtime:
             self.finish.pop(user, None)  # no debt left: forget the user
         return None
 
+    def _current(self, user: str, ver: int, seq: int) -> bool:
+        """Whether a heap entry still describes ``user`` (else the user is re-filed)."""
+        if self._ver.get(user) != ver:
+            return False
+        e = self.head(user)
+        if e is not None and e.seq == seq:
+            return True
+        self.refile(user)
+        return False
+
     def first(self) -> tuple[float, int, str] | None:
         """(start tag, arrival seq, user) of the request fair queueing serves next; None if empty."""
-        best: tuple[float, int, str] | None = None
         v = self.vtime
-        for user in list(self.users):
-            e = self.head(user)
-            if e is None:
-                continue
-            tag = max(v, self.finish.get(user, v))
-            cand = (tag, e.seq, user)
-            if best is None or cand < best:
-                best = cand
-        return best
+        ahead, at_v = self._ahead, self._at_v
+        while ahead and ahead[0][0] <= v:  # its finish tag is no longer ahead of V: tag V from now
+            _, seq, user, ver = heapq.heappop(ahead)
+            if self._ver.get(user) == ver:
+                heapq.heappush(at_v, (seq, user, ver))
+        while at_v:
+            seq, user, ver = at_v[0]
+            if self._current(user, ver, seq):
+                return (v, seq, user)
+            heapq.heappop(at_v)
+        while ahead:
+            f, seq, user, ver = ahead[0]
+            if self._current(user, ver, seq):
+                return (f, seq, user)
+            heapq.heappop(ahead)
+        return None
 
     def served(self, tag: float, user: str, e: _Entry) -> None:
         """``e`` (already taken off ``user``'s deque) was served at start tag ``tag``."""
@@ -258,6 +311,9 @@ class _Lane:
         self.finish[user] = tag + max(1, e.ticket.cost)
         if not self.users[user]:
             del self.users[user]
+            self._ver.pop(user, None)
+        else:
+            self.refile(user)
 
 
 class RouterQueue:
@@ -298,7 +354,7 @@ class RouterQueue:
         lane = self._lanes.get((ticket.band, ticket.pool))
         if lane is None:
             lane = self._lanes[(ticket.band, ticket.pool)] = _Lane()
-        lane.users.setdefault(ticket.user, deque()).append(e)
+        lane.add(ticket.user, e)
         self._live[ticket.key] = e
         self._order.append(e)
         self.depth[ticket.band] = self.depth.get(ticket.band, 0) + 1
@@ -307,11 +363,14 @@ class RouterQueue:
     def offer(
         self, ticket: Ticket, now: float, views: ViewsFn, route: RouteFn, commit: CommitFn
     ) -> list[Released]:
-        """A request arriving at ``now``. With nothing queued and ``tick_s == 0`` it is routed at once
-        and committed if its chosen instance can take it (or it was refused); else it is queued (and,
-        with others queued and no ticks, the queue drained). Returns what left the queue, this
-        request first if it never waited (``queued`` False)."""
-        if not self._live and not self.config.tick_s:
+        """A request arriving at ``now``. With ``tick_s == 0`` it is routed at once and committed if its
+        chosen instance can take it (or it was refused), else queued. The requests already queued
+        are not tried again: they could not go at the last drain and an arrival changes no
+        instance, so one that waits for its chosen instance never holds back one that prefers an
+        open instance (a pass per arrival cost a route per queued request, to no end, under
+        overload). With ticks it is queued for the next tick. Returns what left the queue: this
+        request, if it never waited (``queued`` False)."""
+        if not self.config.tick_s:
             candidates = views(ticket.pool)
             d = route(ticket, candidates, True)
             if _binds(d, candidates):
@@ -319,9 +378,7 @@ class RouterQueue:
             self.push(ticket, now, tried=True)
             return []
         self.push(ticket, now)
-        if self.config.tick_s:
-            return []
-        return self.drain(now, views, route, commit)
+        return []
 
     # -- out ------------------------------------------------------------------------------------
     def drain(self, now: float, views: ViewsFn, route: RouteFn, commit: CommitFn) -> list[Released]:
@@ -366,7 +423,7 @@ class RouterQueue:
             self.dispatched += 1
             out.append(Released(e.ticket, commit(e.ticket, d), now - e.at))
         for lane_key, user, e in reversed(kept):  # back at the front, in their order
-            self._lanes[lane_key].users.setdefault(user, deque()).appendleft(e)
+            self._lanes[lane_key].put_back(user, e)
         for key in [k for k, lane in self._lanes.items() if not lane.users]:
             del self._lanes[key]  # the lane's busy period ended: its tags start afresh
         return out
@@ -385,7 +442,7 @@ class RouterQueue:
         ttl = self.config.ttl_s
         order = self._order
         out: list[Released] = []
-        while order and (not order[0].live or now - order[0].at >= ttl):
+        while order and (not order[0].live or order[0].at + ttl <= now):  # as next_deadline computes it
             e = order.popleft()
             if not e.live:
                 continue

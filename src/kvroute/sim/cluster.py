@@ -54,7 +54,7 @@ from kvroute.metrics import LatencyRecorder
 from kvroute.policies.base import Policy
 from kvroute.routing.core import Decision, RouteRequest, RoutingCore
 from kvroute.routing.kvview import KVView
-from kvroute.routing.queue import QueueConfig, Released, RouterQueue, Ticket, band_of
+from kvroute.routing.queue import QueueConfig, Released, RouterQueue, Ticket, band_of, saturated
 from kvroute.routing.shadow import Shadows
 from kvroute.sim.loop import PRIO_ARRIVAL, PRIO_DELIVERY, PRIO_ENGINE, EventLoop, SimClock
 from kvroute.views import Hold, InstanceView
@@ -472,7 +472,9 @@ class ClusterSim:
     def _deadline(self) -> None:
         self._deadline_armed = False
         assert self.queue is not None
-        self._drain(decide=not self.queue.config.tick_s)  # with ticks, decisions wait for the tick
+        # an expiry changes no instance: what could not go before still cannot (decisions come at
+        # step ends and ticks); a pass per expiry cost a route per queued request under overload
+        self._drain(decide=False)
 
     def _stepped(self, i: int) -> None:
         """Instance ``i``'s engine ended a step: with requests queued (and no ticks), the router
@@ -482,6 +484,8 @@ class ClusterSim:
             return
         self._insts[i].snap_time = -math.inf
         self._dirty.add(i)
+        if saturated(self._all_views(self.loop.now)[i]):
+            return  # it still cannot take a request: a pass would route every queued one to no end
         self._drain()
 
     def _decide(self, req: Request, rr: RouteRequest, arrived: float, views: list[InstanceView]) -> None:

@@ -6,8 +6,10 @@ from kvroute.blocks import hash_blocks
 from kvroute.integrations.inflight import InFlight, instance_view
 from kvroute.integrations.prompts import PromptChains, body_of
 from kvroute.integrations.ray_state import SharedRoutingState
+from kvroute.policies.lmetric import LMetric
 from kvroute.prepare.tokenize import RequestTokenizer
 from kvroute.tokenizer import load_tokenizer
+from kvroute.views import InstanceView, RequestView
 
 
 class Clock:
@@ -122,3 +124,63 @@ def test_prompt_chains_from_chat_completion_and_models() -> None:
         r = pc.route_request(bad)
         assert r.chain == () and r.prompt_tokens == 1  # routed by load; the deployment answers the error
     assert body_of([object()], {}) is None
+
+
+def test_instance_view_matches_its_requests_to_the_snapshot_by_id_not_by_time() -> None:
+    """The flaky Ray test's two ways of losing a request in flight, with hand-built snapshots.
+    Replica A served a warm-up ("w", reserved 9.8, completion seen at 10.1), then got "a" (309
+    new prefill tokens, reserved 10.15); at 10.5 the router decides where "b" goes."""
+    policy = LMetric()
+    req = RequestView(prompt_tokens=309, cached_tokens=(0, 0))
+    idle = InstanceView(index=1)
+    base = {"running": 0, "waiting": 0, "queued_prefill_tokens": 0, "ttft_p50_s": 0.03}
+    inflight = [(10.15, 309, "a")]
+    done = [(9.8, 10.1, 10, "w")]
+    # 1. Stamped 10.2, after "a" was reserved, but taken while "a" was still in transit to the
+    #    replica: the snapshot does not count it. By time, "a" is neither routed since nor in it.
+    transit = {**base, "time": 10.2}
+    lost = instance_view(0, transit, [r[:2] for r in inflight], [d[:3] for d in done], now=10.5)
+    assert lost.running + lost.waiting == 0  # the old rule: A looks idle, "b" would tie onto it
+    v = instance_view(0, {**transit, "requests": []}, inflight, done, now=10.5)
+    assert (v.running, v.waiting, v.queued_prefill_tokens) == (1, 0, 0)  # past its prefill: decoding
+    assert policy.choose(req, [v, idle]).choice == 1
+    # 2. Stamped 10.05, before the warm-up's completion reached the router, but the engine had
+    #    finished it: by time the warm-up comes off a snapshot that no longer counts it, and "a"
+    #    (rightly added as routed since) cancels out.
+    early = {**base, "time": 10.05}
+    lost = instance_view(0, early, [r[:2] for r in inflight], [d[:3] for d in done], now=10.5)
+    assert lost.running + lost.waiting == 0
+    v = instance_view(0, {**early, "requests": []}, inflight, done, now=10.5)
+    assert (v.running, v.waiting) == (1, 0)
+    assert policy.choose(req, [v, idle]).choice == 1
+    # 3. A completed request the snapshot counts comes off as it counted it: "w" with 100 prefill
+    #    tokens left (waiting), "x" decoding (running); "a" is in the snapshot, so it is not added.
+    stats = {
+        **base,
+        "running": 2,
+        "waiting": 1,
+        "queued_prefill_tokens": 400,
+        "time": 10.0,
+        "requests": [["w", 100], ["x", 0], ["a", 300]],
+    }
+    v = instance_view(0, stats, [(9.95, 309, "a")], [(9.8, 10.1, 10, "w"), (9.0, 10.2, 50, "x")], now=10.5)
+    assert (v.running, v.waiting, v.queued_prefill_tokens) == (1, 0, 300)
+    # Other routers' requests come without ids: the time rule still decides for them.
+    v = instance_view(0, stats, [(10.3, 40)], [], now=10.31)
+    assert (v.running, v.waiting, v.queued_prefill_tokens) == (2, 2, 440)
+
+
+def test_engine_model_in_flight_lists_what_its_load_counts() -> None:
+    from kvroute.engine import cost
+    from kvroute.engine.model import EngineModel
+    from kvroute.engine.types import EngineConfig, EngineRequest
+
+    m = EngineModel(
+        EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64), cost.get_profile().cost
+    )
+    m.add_request(EngineRequest("r1", 100, 4, ()), 0.0)
+    m.add_request(EngineRequest("r2", 30, 4, ()), 0.0)
+    live = dict(m.in_flight())
+    load = m.load()
+    assert set(live) == {"r1", "r2"} and len(live) == load.running + load.waiting
+    assert sum(live.values()) == load.queued_prefill_tokens

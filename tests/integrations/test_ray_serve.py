@@ -137,6 +137,8 @@ def test_load_is_counted_and_released(serve_app: Callable[..., Any]) -> None:
     # Each replica reports where its prefills end (its engine's median time to first token).
     wait_for(lambda: all("ttft_p50_s" in (r.routing_stats or {}) for r in router._by_rid.values()))
     assert all(0.0 < r.routing_stats["ttft_p50_s"] < 5.0 for r in router._by_rid.values())
+    # ... and which requests its snapshot counts (none, once a snapshot after both is in), by id.
+    wait_for(lambda: all(r.routing_stats.get("requests") == [] for r in router._by_rid.values()))
 
 
 def test_dead_replica_is_dropped_and_router_survives_replica_changes(serve_app: Callable[..., Any]) -> None:

@@ -416,6 +416,14 @@ class EngineModel:
             used,
         )
 
+    def in_flight(self) -> list[tuple[ReqId, int]]:
+        """(request id, prefill tokens it has left; 0 once decoding) of each request :meth:`load`
+        counts (waiting, then running), at the same instant: a router matches its own requests
+        against this to know which ones a load snapshot counts."""
+        out = [(s.req.req_id, _pending(s)) for s in self._waiting]
+        out.extend((s.req.req_id, 0 if s.lazy else _pending(s)) for s in self._running)
+        return out
+
     @property
     def idle(self) -> bool:
         return self._step is None and not self._waiting and not self._running

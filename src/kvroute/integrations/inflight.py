@@ -27,6 +27,20 @@ request is taken as one chunk): a request routed since the snapshot and older th
 running with no prefill left; a completed request whose prefill ended by the snapshot comes off the
 running count only. Without the key, the rules above.
 
+**Which requests the snapshot counts.** Times alone cannot say: a snapshot stamped after a
+request's reservation may have been taken while the request was still in transit to the replica
+(the snapshot misses it, and it is not "routed since" either), and one stamped before a request's
+completion reached this router may have been taken after the engine had finished it (the snapshot
+no longer counts it, yet the rule above takes it off again). Either way a request in flight
+vanishes from the load, for as long as that snapshot is the latest (Ray delivers them up to a
+second late on a loaded machine): the next request then sees an idle replica where one is busy.
+A replica that reports ``requests`` (``[[internal request id, prefill tokens left], ...]`` of the
+requests its ``running`` and ``waiting`` count, read at the same instant) settles it for this
+router's own requests: one not in the list is added (as above), one in the list that has completed
+comes off as the snapshot counted it (off the waiting count and its prefill left off the queued
+prefill while it had prefill left, else off the running count); the times decide only for the
+requests of the deployment's other routers (their load comes without ids).
+
 Without a report every in-flight request counts as waiting with its new prefill queued, until it
 completes. A reservation is made when the core decides (so the next decision sees it at once),
 moved to the replica Ray actually sent the request to (``on_request_routed``: Ray may fall back to
@@ -41,14 +55,19 @@ Units: wall-clock seconds, tokens. Mutated by :meth:`reserve`, :meth:`move`, :me
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvroute.integrations.ray_state import Load
 from kvroute.views import InstanceView
 
-__all__ = ["STAT_KEYS", "InFlight", "Reservation", "instance_view"]
+__all__ = ["STAT_KEYS", "Done", "InFlight", "Reservation", "Row", "instance_view"]
+
+Row = tuple[float, int] | tuple[float, int, str]
+"""An in-flight request: (reserved at, new prefill tokens[, Ray's internal request id])."""
+Done = tuple[float, float, int] | tuple[float, float, int, str]
+"""A completed request: (reserved at, completed at, prefill tokens[, Ray's internal request id])."""
 
 STAT_KEYS = (
     "running",
@@ -63,6 +82,7 @@ STAT_KEYS = (
     "max_num_batched_tokens",
     "max_num_seqs",
     "ttft_p50_s",
+    "requests",
 )
 """The keys of a replica's ``record_routing_stats`` dict this adapter reads (all optional)."""
 
@@ -75,6 +95,7 @@ class Reservation:
     at: float
     prefill: int
     dispatched: bool = False
+    request: str = ""
 
 
 class InFlight:
@@ -83,21 +104,21 @@ class InFlight:
     def __init__(self, ttl_s: float = 60.0, completed_kept: int = 4096) -> None:
         self.ttl_s = ttl_s
         self._rows: dict[str, Reservation] = {}
-        # recently completed: (replica, reserved at, completed at, prefill), newest last
-        self._done: deque[tuple[str, float, float, int]] = deque(maxlen=completed_kept)
+        # recently completed: (replica, reserved at, completed at, prefill, request id), newest last
+        self._done: deque[tuple[str, float, float, int, str]] = deque(maxlen=completed_kept)
 
     def __len__(self) -> int:
         return len(self._rows)
 
     def reserve(self, request: str, replica: str, prefill: int, now: float) -> None:
         """A decision sent ``request`` to ``replica`` (replaces an earlier one for a retry)."""
-        self._rows[request] = Reservation(replica, now, prefill)
+        self._rows[request] = Reservation(replica, now, prefill, request=request)
 
     def move(self, request: str, replica: str, prefill: int, now: float) -> None:
         """Ray dispatched ``request`` to ``replica`` (maybe not the decision's first choice)."""
         row = self._rows.get(request)
         if row is None or row.replica != replica:
-            self._rows[request] = Reservation(replica, now if row is None else row.at, prefill, True)
+            self._rows[request] = Reservation(replica, now if row is None else row.at, prefill, True, request)
         else:
             row.dispatched = True
 
@@ -105,14 +126,28 @@ class InFlight:
         """``request`` completed (or was rejected) at ``now``: it no longer counts."""
         row = self._rows.pop(request, None)
         if row is not None and row.dispatched:
-            self._done.append((row.replica, row.at, now, row.prefill))
+            self._done.append((row.replica, row.at, now, row.prefill, request))
         return row
 
     def completed(self) -> dict[str, list[tuple[float, float, int]]]:
         """Recently completed requests by replica: (reserved at, completed at, prefill)."""
         out: dict[str, list[tuple[float, float, int]]] = {}
-        for replica, at, done, prefill in self._done:
+        for replica, at, done, prefill, _ in self._done:
             out.setdefault(replica, []).append((at, done, prefill))
+        return out
+
+    def completed_rows(self) -> dict[str, list[Done]]:
+        """As :meth:`completed`, with each request's id: (reserved at, completed at, prefill, id)."""
+        out: dict[str, list[Done]] = {}
+        for replica, at, done, prefill, request in self._done:
+            out.setdefault(replica, []).append((at, done, prefill, request))
+        return out
+
+    def rows(self) -> dict[str, list[Row]]:
+        """As :meth:`load`, with each request's id: (reserved at, prefill, id)."""
+        out: dict[str, list[Row]] = {}
+        for r in self._rows.values():
+            out.setdefault(r.replica, []).append((r.at, r.prefill, r.request))
         return out
 
     def expire(self, now: float) -> int:
@@ -153,36 +188,69 @@ def _seconds(stats: Mapping[str, Any], key: str) -> float | None:
     return None
 
 
+def _counted(stats: Mapping[str, Any]) -> dict[str, int] | None:
+    """The snapshot's ``requests`` as {internal request id: prefill tokens left}; None without it."""
+    items = stats.get("requests")
+    if not isinstance(items, list | tuple):
+        return None
+    out: dict[str, int] = {}
+    for item in items:
+        if isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[1], int | float):
+            out[str(item[0])] = max(0, int(item[1]))
+    return out
+
+
 def instance_view(
     index: int,
     stats: Mapping[str, Any],
-    inflight: list[tuple[float, int]],
-    completed: list[tuple[float, float, int]] = (),  # type: ignore[assignment]
+    inflight: Sequence[Row],
+    completed: Sequence[Done] = (),
     now: float | None = None,
 ) -> InstanceView:
     """The view of one replica: its ``stats`` (possibly empty) plus the ``inflight`` requests
-    (reserved at, new prefill) routed to it since the stats' ``time`` (all of them without one),
-    minus the ``completed`` ones (reserved at, completed at, prefill) the stats still count. With
-    ``now`` (seconds, the clock of the reservations) and the stats' ``ttft_p50_s``, requests whose
-    prefill has ended by the estimate count as running with no prefill (module docstring)."""
+    (reserved at, new prefill[, id]) the stats do not count (routed since the stats' ``time``, all of
+    them without one; by id where the stats list their ``requests``), minus the ``completed`` ones
+    (reserved at, completed at, prefill[, id]) the stats still count. With ``now`` (seconds, the
+    clock of the reservations) and the stats' ``ttft_p50_s``, requests whose prefill has ended by the
+    estimate count as running with no prefill (module docstring)."""
     since = stats.get("time")
     if isinstance(since, int | float) and not isinstance(since, bool) and "running" in stats:
         ttft = _seconds(stats, "ttft_p50_s")
-        late = [(t, p) for t, p in inflight if t > since]
-        gone = [(t, p) for t, done, p in completed if t <= since < done]
+        budget = _int(stats, "max_num_batched_tokens")
+        counted = _counted(stats)
+
+        def ends(t: float, p: int) -> float:  # estimated end of the prefill of (reserved at, p)
+            assert ttft is not None
+            return t + ttft * (max(1, -(-p // budget)) if budget else 1)
+
+        late: list[tuple[float, int]] = []
+        for row in inflight:
+            key = row[2] if len(row) > 2 else None
+            if row[0] > since if counted is None or key is None else key not in counted:
+                late.append((row[0], row[1]))
+        # completed since, but in the snapshot: (prefill tokens the snapshot still counts, or None
+        # where they are not known) for those it counts as prefilling; a count for the rest
+        gone_prefilling: list[int] = []
+        gone_running = 0
+        for crow in completed:
+            t, done, p = crow[0], crow[1], crow[2]
+            key = crow[3] if len(crow) > 3 else None
+            if counted is not None and key is not None:
+                if key in counted:  # the snapshot says how it counted it
+                    if counted[key] > 0:
+                        gone_prefilling.append(counted[key])
+                    else:
+                        gone_running += 1
+            elif t <= since < done:
+                if ttft is not None and ends(t, p) <= since:
+                    gone_running += 1
+                else:
+                    gone_prefilling.append(p)
         if ttft is None:  # no estimate of where prefill ends: every one still prefilling
             late_prefilling, late_running = [p for _, p in late], 0
-            gone_prefilling, gone_running = [p for _, p in gone], 0
         else:
-            budget = _int(stats, "max_num_batched_tokens")
-
-            def ends(t: float, p: int) -> float:  # estimated end of the prefill of (reserved at, p)
-                return t + ttft * (max(1, -(-p // budget)) if budget else 1)
-
             late_prefilling = [p for t, p in late if now is None or ends(t, p) > now]
             late_running = len(late) - len(late_prefilling)
-            gone_prefilling = [p for t, p in gone if ends(t, p) > since]
-            gone_running = len(gone) - len(gone_prefilling)
         running = _int(stats, "running") + late_running
         waiting = _int(stats, "waiting") + len(late_prefilling)
         off_waiting = min(len(gone_prefilling), _int(stats, "waiting"))
@@ -203,7 +271,7 @@ def instance_view(
     return InstanceView(
         index=index,
         waiting=len(inflight),
-        queued_prefill_tokens=sum(p for _, p in inflight),
+        queued_prefill_tokens=sum(r[1] for r in inflight),
         max_batched_tokens=_int(stats, "max_num_batched_tokens"),
         max_num_seqs=_int(stats, "max_num_seqs"),
     )

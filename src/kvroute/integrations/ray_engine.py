@@ -17,7 +17,9 @@ Ray's overhead on a small machine rather than the routing. A malformed body yiel
 ``record_routing_stats()`` reports what :mod:`kvroute.integrations.ray_serve` reads (see
 :data:`kvroute.integrations.inflight.STAT_KEYS`): the model's load now, the wall ``time`` of the
 snapshot, ``usage`` (``[internal request id, cached tokens]`` of the last finished requests),
-``ttft_p50_s`` (the median engine-side time from a request's submission to its first token over the
+``requests`` (``[internal request id, prefill tokens left]`` of each request the snapshot's
+``running`` and ``waiting`` count, read at the same instant: the router then knows which of its
+requests the snapshot counts, whatever the transport's delays), ``ttft_p50_s`` (the median engine-side time from a request's submission to its first token over the
 last requests, seconds: the router's estimate of where a request's prefill ends) and,
 with ``kv_events=True``, ``kv_events_endpoint``: a ZMQ PUB socket (vLLM's wire format) on a free
 loopback port of the replica's machine, which makes the routers' view of this replica exact.
@@ -97,6 +99,7 @@ class EmulatedEngine:
         self._started = False
         self._usage: deque[list[Any]] = deque(maxlen=_USAGE_KEPT)
         self._ttfts: deque[float] = deque(maxlen=_TTFT_KEPT)  # seconds, submission → first token
+        self._keys: dict[str, str] = {}  # engine request id → Ray's internal request id, while live
         self._filler = [self.tokenizer.encode(" " + w)[0] for w in FILLER_WORDS]
         self.served = 0
 
@@ -134,6 +137,7 @@ class EmulatedEngine:
         queue = self.driver.submit(
             EngineRequest(rid, len(req.prompt_ids), req.max_tokens, hashes, req.prompt_ids)
         )
+        self._keys[rid] = key
         cached, sent, done = 0, 0, False
         try:
             while not done:
@@ -161,6 +165,7 @@ class EmulatedEngine:
             replica = serve.get_replica_context().replica_id.unique_id
             yield {"id": rid, "text": self._text(sent, req.max_tokens), "usage": usage, "replica": replica}
         finally:
+            self._keys.pop(rid, None)
             if not done:
                 self.driver.abort(rid)
 
@@ -171,6 +176,7 @@ class EmulatedEngine:
     def record_routing_stats(self) -> dict[str, Any]:
         """Load now (module docstring); Ray Serve calls it every ``request_routing_stats_period_s``."""
         load = self.model.load()
+        keys = self._keys
         stats: dict[str, Any] = {
             "running": load.running,
             "waiting": load.waiting,
@@ -181,6 +187,7 @@ class EmulatedEngine:
             "max_num_seqs": self.model.config.max_num_seqs,
             "time": time.time(),
             "usage": list(self._usage),
+            "requests": [[keys[r], left] for r, left in self.model.in_flight() if r in keys],
             "served": self.served,
         }
         if self._ttfts:

@@ -40,7 +40,9 @@ How it follows Ray's own routers (``PowerOfTwoChoicesRequestRouter``, Ray Serve 
 - Replicas report load through ``record_routing_stats`` (keys in
   :data:`kvroute.integrations.inflight.STAT_KEYS`; :mod:`kvroute.integrations.ray_engine` is an
   example): ``running``, ``waiting``, ``queued_prefill_tokens``, ``kv_usage``,
-  ``kv_capacity_blocks``, ``time``, ``ttft_p50_s`` (where a request's prefill ends: without it,
+  ``kv_capacity_blocks``, ``time``, ``requests`` (``[[internal_request_id, prefill tokens left], ...]``
+  of the requests the snapshot counts: which of this router's requests it counts, by id, not by
+  time), ``ttft_p50_s`` (where a request's prefill ends: without it,
   a request routed since the replica's last report counts as prefilling until it completes); ``usage``: ``[[internal_request_id, cached_tokens], ...]`` of
   recently finished requests (corrects the approximate view, as ``usage.prompt_tokens_details.cached_tokens``
   does in the live router); ``kv_events_endpoint`` (and ``kv_events_replay_endpoint``): a vLLM-style
@@ -85,7 +87,7 @@ from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from kvroute.features.classes import ClassConfig
-from kvroute.integrations.inflight import InFlight, instance_view
+from kvroute.integrations.inflight import InFlight, Row, instance_view
 from kvroute.integrations.prompts import PromptChains, body_of
 from kvroute.integrations.ray_state import Load, Routed, SharedRoutingState
 from kvroute.prepare.tokenize import RequestTokenizer
@@ -217,8 +219,8 @@ class KVRouteRequestRouter(RequestRouter):
         """The views of the replicas ``pool`` (a tuple of full ids) now: their stats plus the
         in-flight load."""
         assert isinstance(pool, tuple)
-        mine = self.inflight.load()
-        done = self.inflight.completed()
+        mine = self.inflight.rows()
+        done = self.inflight.completed_rows()
         now = self._get_curr_time_s()
         views = []
         for rid in pool:
@@ -226,7 +228,7 @@ class KVRouteRequestRouter(RequestRouter):
             idx = self._index.get(rid)
             if r is None or idx is None:
                 continue  # left since
-            load = mine.get(rid, []) + self._others.get(rid, [])
+            load: list[Row] = [*mine.get(rid, []), *self._others.get(rid, [])]
             views.append(instance_view(idx, r.routing_stats or {}, load, done.get(rid, []), now))
         return views
 

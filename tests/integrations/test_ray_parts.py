@@ -49,7 +49,7 @@ def test_inflight_reserve_move_release_and_expire() -> None:
     assert f.count("A") == 1 and f.count("B") == 1
     assert f.load()["B"] == [(1.0, 90)]
     f.release("q1", now=3.0)
-    assert f.completed() == {"B": [(1.0, 3.0, 90)]}
+    assert f.completed_rows() == {"B": [(1.0, 3.0, 90, "q1")]}
     assert f.expire(now=7.0) == 1  # q2 was never dispatched: dropped after the TTL
     assert len(f) == 0 and f.load() == {}
     f.reserve("q3", "C", 1, now=8.0)

@@ -129,15 +129,8 @@ class InFlight:
             self._done.append((row.replica, row.at, now, row.prefill, request))
         return row
 
-    def completed(self) -> dict[str, list[tuple[float, float, int]]]:
-        """Recently completed requests by replica: (reserved at, completed at, prefill)."""
-        out: dict[str, list[tuple[float, float, int]]] = {}
-        for replica, at, done, prefill, _ in self._done:
-            out.setdefault(replica, []).append((at, done, prefill))
-        return out
-
     def completed_rows(self) -> dict[str, list[Done]]:
-        """As :meth:`completed`, with each request's id: (reserved at, completed at, prefill, id)."""
+        """Recently completed requests by replica: (reserved at, completed at, prefill, request id)."""
         out: dict[str, list[Done]] = {}
         for replica, at, done, prefill, request in self._done:
             out.setdefault(replica, []).append((at, done, prefill, request))

@@ -178,7 +178,7 @@ def test_a_load_counting_policy_spreads_around_a_request_it_holds_back() -> None
     # instance 0 scores 0 (saturated by its prefill, not by requests), instance 1 scores 1
     assert q.offer(Ticket("a", cost=10), 0.0, c.get, vllm_route, c.commit) == []
     # "b" sees instance 0 at 4 · 1 (a's claim) + 0 = 4 > 1: it goes to the open instance 1
-    (b,) = q.offer(Ticket("b", cost=10), 0.1, c.get, vllm_route, c.commit)
+    (_b,) = q.offer(Ticket("b", cost=10), 0.1, c.get, vllm_route, c.commit)
     assert c.sent == [("b", 1)] and len(q) == 1
 
 

@@ -3,6 +3,7 @@ steps, and no policy beating it on small clusters."""
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import replace
 
@@ -18,6 +19,7 @@ from kvroute.sim.bound import (
     oracle_misses,
     peak_rate,
     srpt_mean_s,
+    ttft_floors_s,
 )
 from kvroute.sim.capacity import CapacityRule, CapacitySearch, Slo
 from kvroute.sim.compare import SpecRunner, run_capacity
@@ -43,10 +45,10 @@ def test_srpt_mean_by_hand() -> None:
 
 
 def test_no_step_beats_the_peak_rate_or_the_shortest_step() -> None:
-    """The assumption the bound rests on, on random steps of the default profile's cost model, with
-    prefill contexts up to 16k tokens in all and decode contexts up to 8k. Beyond that the profile's
-    attention extrapolation can go below zero (a 894-token chunk after 37k tokens beside 55 decodes of
-    8k context: −0.06 s), and there no bound holds: docs/results/bound.md says so."""
+    """The engine limits hold for every step of the default profile's cost model: random steps with
+    prefill contexts up to 120k tokens in all and decode contexts up to 32k (beyond the attention
+    table's grid too: the limits come from ``least_step_times``, a lower bound over every context).
+    Also the step floor σ(c) of each step's size."""
     cost = get_profile().cost
     eng = peak_rate(cost, 4096, 256)
     rng = random.Random(1)
@@ -55,17 +57,80 @@ def test_no_step_beats_the_peak_rate_or_the_shortest_step() -> None:
             (rng.randint(1, 2048), rng.choice([0, rng.randint(0, 60_000)])) for _ in range(rng.randint(0, 3))
         ]
         budget = 4096 - sum(c for c, _ in chunks)
-        if budget < 0 or sum(h for _, h in chunks) > 16_384:
+        if budget < 0:
             continue
         decodes = rng.randint(0, min(256, budget))
         if not chunks and not decodes:
             continue
-        kv = decodes * rng.randint(1, 8000)
+        kv = decodes * rng.randint(1, 32_000)
         t = cost.step_time(chunks, decodes, kv)
         tokens = sum(c for c, _ in chunks) + decodes
         assert tokens / t <= eng.peak_tokens_s * (1 + 1e-9)
         assert decodes / t <= eng.peak_decode_s * (1 + 1e-9)
         assert t >= eng.min_step_s * (1 - 1e-9)
+        assert t >= eng.step_floor_s[tokens - 1] * (1 - 1e-9)  # σ: no step of this size is shorter
+
+
+def test_least_step_times_are_below_every_context_on_the_attention_grid() -> None:
+    """Exhaustively at the grid's own (kp, kv) vertices, where the table is least smooth: for
+    sizes inside and beyond its pc axis, every vertex's step is at least the bound for its d."""
+    cost = get_profile().cost
+    grid = cost._attn
+    assert grid is not None
+    for tokens in (1, 17, 700, 2048, 3001, 4096):
+        least = cost.least_step_times(tokens, 256)
+        for d in sorted(x for x in {0, 1, 7, 64, 256} if x <= tokens):
+            pc = tokens - d
+            for kp in grid.kps:
+                for kv in grid.kvs:
+                    prefill = [(pc, kp)] if pc else []
+                    t = cost.step_time(prefill, d, kv * d)
+                    assert t >= least[d] * (1 - 1e-9), (tokens, d, kp, kv)
+
+
+def _tiny_engine(sigma: tuple[float, ...]) -> Engine:
+    budget = len(sigma)
+    rate = max(c / sigma[c - 1] for c in range(1, budget + 1))
+    return Engine(rate, sigma[0], budget, 8, math.inf, sigma)
+
+
+def test_ttft_floor_by_hand() -> None:
+    # budget 4 tokens; σ(1..4) = 1, 1.5, 3, 3 s: R* = 4/3 tokens/s (chunks of 2 or 4)
+    eng = _tiny_engine((1.0, 1.5, 3.0, 3.0))
+    floors = ttft_floors_s(np.array([1, 2, 3, 4, 5, 29]), eng)
+    # f(3) = 1.5 + 1; f(5) = 3 + 1; f(29) = 7 chunks of 4 + 1 = 22 (the old floor, m / R*, was 21.75)
+    assert floors.tolist() == pytest.approx([1.0, 1.5, 2.5, 3.0, 4.0, 22.0])
+    # past 8 budgets (32 tokens) it is extended: f(29) + (40 − 32) / R* = 22 + 6 = 28, below
+    # 40 / R* = 30 (= f(40) here), which it never goes under
+    assert ttft_floors_s(np.array([40]), eng).tolist() == pytest.approx([30.0])
+    # an engine without a step table keeps the old floor, max(m / R*, τ_min)
+    plain = Engine(2.0, 0.5, 4, 8)
+    assert ttft_floors_s(np.array([0, 3]), plain).tolist() == pytest.approx([0.5, 1.5])
+
+
+def _best_chunking(m: int, sigma: tuple[float, ...]) -> float:
+    """f(m) by enumeration: the cheapest chunking of m tokens into chunks of at most len(sigma)."""
+    best = [0.0] + [math.inf] * m
+    for t in range(1, m + 1):
+        for c in range(1, min(t, len(sigma)) + 1):
+            best[t] = min(best[t], best[t - c] + sigma[c - 1])
+    return best[m]
+
+
+def test_ttft_floor_is_the_cheapest_chunking_and_never_above_it() -> None:
+    rng = random.Random(3)
+    for _ in range(40):
+        sigma = tuple(
+            np.cumsum([rng.uniform(0.0, 2.0) + (0.5 if c == 0 else 0.0) for c in range(rng.randint(1, 6))])
+        )
+        eng = _tiny_engine(sigma)
+        ms = [rng.randint(1, 12 * len(sigma)) for _ in range(8)]
+        got = ttft_floors_s(np.array(ms), eng)
+        for m, g in zip(ms, got, strict=True):
+            exact = _best_chunking(m, sigma)
+            assert g <= exact * (1 + 1e-9)  # a lower bound everywhere
+            if m <= 8 * len(sigma):
+                assert g == pytest.approx(exact)  # exact where the programme runs
 
 
 def _all_at(t: float, n: int, miss: int, out: int) -> WorkloadBound:

@@ -138,6 +138,18 @@ def _bracket(xs: Sequence[float], q: float) -> tuple[int, int, float]:
     return lo, hi, (q - xs[lo]) / (xs[hi] - xs[lo])
 
 
+def _brackets(xs: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_bracket` for an array of queries, clamped to the grid on both sides (t in [0, 1])."""
+    n = len(xs)
+    if n == 1:
+        zero = np.zeros(len(q), dtype=np.int64)
+        return zero, zero, np.zeros(len(q))
+    qc = np.clip(q, xs[0], xs[-1])
+    lo = np.clip(np.searchsorted(xs, qc, side="right") - 1, 0, n - 2)
+    hi = lo + 1
+    return lo, hi, (qc - xs[lo]) / (xs[hi] - xs[lo])
+
+
 @dataclass(frozen=True, slots=True)
 class Table1D:
     """y(x) by linear interpolation on sorted ``xs`` (clamped below, extrapolated above); y in µs."""
@@ -202,7 +214,7 @@ class AttentionGrid:
     LLMServingSim's fallback). Lookups are multilinear with at most 16 corners and skip exact axes.
     """
 
-    __slots__ = ("_nd_stride", "_pc_stride", "_values", "kps", "kvs", "nds", "pcs")
+    __slots__ = ("_least", "_nd_stride", "_pc_stride", "_values", "kps", "kvs", "nds", "pcs")
 
     def __init__(self, slices: Sequence[dict[str, Any]]) -> None:
         if not slices:
@@ -228,6 +240,7 @@ class AttentionGrid:
                     key = min(by_pair, key=lambda p: ((p[0] - pc) ** 2 + (p[1] - nd) ** 2, p))
                 full[i, j] = by_pair[key]
         self._values: list[float] = full.ravel().tolist()
+        self._least = full.min(axis=(2, 3))  # [pc, nd]: the fastest (kp, kv) vertex of each slice
         self._pc_stride = len(self.nds) * len(self.kps) * len(self.kvs)
         self._nd_stride = len(self.kps) * len(self.kvs)
 
@@ -244,6 +257,36 @@ class AttentionGrid:
                 p0, p1, min(tp, 1.0), n0, n1, min(tn, 1.0), k0, k1, min(tk, 1.0), v0, v1, min(tv, 1.0)
             )
             out = max(out, edge)
+        return out
+
+    def least(self, pc: np.ndarray, nd: np.ndarray) -> np.ndarray:
+        """Lower bounds (µs) on ``self(pc, kp, nd, kv)`` over every ``kp`` and ``kv``, for arrays of
+        (pc, nd). A lookup is multilinear in the grid values, with weights in [0, 1] on every axis
+        inside the grid, and never below the grid's edge beyond it. So, with each (pc, nd) slice's
+        smallest value: inside the grid, the bilinear interpolation in (pc, nd) of those smallest
+        values; beyond the last pc, also each nd slice's smallest *extrapolated* vertex, interpolated
+        in nd, where nd is inside the grid (the edge alone where it is not)."""
+        pcs = np.asarray(self.pcs, dtype=np.float64)
+        nds = np.asarray(self.nds, dtype=np.float64)
+        pc = np.asarray(pc, dtype=np.float64)
+        nd = np.asarray(nd, dtype=np.float64)
+        p0, p1, tp = _brackets(pcs, pc)
+        n0, n1, tn = _brackets(nds, nd)
+        g = self._least
+        edge = (1 - tp) * ((1 - tn) * g[p0, n0] + tn * g[p0, n1]) + tp * (
+            (1 - tn) * g[p1, n0] + tn * g[p1, n1]
+        )
+        beyond = (pc > pcs[-1]) & (nd <= nds[-1])
+        if len(pcs) < 2 or not beyond.any():
+            return edge
+        full = np.asarray(self._values).reshape(len(self.pcs), len(self.nds), len(self.kps), len(self.kvs))
+        top, slope = full[-1], full[-1] - full[-2]  # [nd, kp, kv]
+        over = ((pc[beyond] - pcs[-2]) / (pcs[-1] - pcs[-2]) - 1.0)[:, None, None]
+        lo = (top[n0[beyond]] + over * slope[n0[beyond]]).min(axis=(1, 2))
+        hi = (top[n1[beyond]] + over * slope[n1[beyond]]).min(axis=(1, 2))
+        w = tn[beyond]
+        out = edge.copy()
+        out[beyond] = np.maximum(edge[beyond], (1 - w) * lo + w * hi)
         return out
 
     def _lookup(
@@ -686,6 +729,33 @@ class ProfileCostModel:
 
     def _seq(self, seqs: int) -> float:
         return self._seq_us[seqs] if seqs < len(self._seq_us) else self.tables.step_sequences(seqs)
+
+    def least_step_times(self, tokens: int, max_decodes: int) -> list[float]:
+        """For d = 0 … min(tokens, max_decodes): a lower bound (seconds) on any step of ``tokens``
+        tokens of which d are decodes, whatever the prefill and decode contexts and however the
+        prefill is split into chunks (it has at least d rows, plus one if any prefill). The token
+        terms depend on the total only, the per-sequence term grows with rows, and the attention is
+        at least :meth:`AttentionGrid.least` (with an analytic attention: its value without context,
+        which context only adds to)."""
+        if tokens <= 0:
+            return [0.0]
+        if tokens < len(self._tok_us):
+            tok = self._tok_us[tokens]
+        else:
+            tok = self._dense_us(tokens) + self._moe_us(tokens, 1, 1) * self.model.num_layers
+        d = np.arange(min(tokens, max_decodes) + 1)
+        pc = tokens - d
+        seq = np.array([self._seq(int(r)) for r in d + (pc > 0)])
+        if self._attn is not None:
+            attn = self._attn.least(pc, d) * self.model.num_layers
+        else:
+            attn = np.array(
+                [
+                    self._attention_us([(int(p), 0)] if p else [], int(k), int(k))
+                    for p, k in zip(pc, d, strict=True)
+                ]
+            )
+        return (np.maximum(tok + seq + attn, 0.0) * 1e-6).tolist()
 
     # -- CostModel ---------------------------------------------------------------------------------------
     def step_time(self, prefill: Sequence[tuple[int, int]], num_decode: int, decode_kv_tokens: int) -> float:

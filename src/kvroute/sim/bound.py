@@ -3,20 +3,25 @@
 Derivation and assumptions: ``docs/results/bound.md``. In short, for N instances of one engine
 (chunk budget B tokens per step, batch limit S sequences, cost model ``step_time``):
 
-- **Peak rate** R* (tokens/s per instance) = max over T ≤ B of T / τ(T), with τ(T) the shortest step
-  that computes T tokens (one prefill chunk with no context of T − d tokens beside d ≤ S decoding
-  sequences with one token of context, over every d). τ_min = min over T of τ(T): no non-empty step is shorter.
-  *Assumption* (checked by the tests on random steps): no step computes tokens faster than R*, and
-  none lasts less than τ_min, i.e. context and more rows only add time.
+- **Peak rate** R* (tokens/s per instance) = max over T ≤ B of T / τ(T), with τ(T) a lower bound on
+  any step that computes T tokens: the cost model's ``least_step_times`` (the least over every number
+  d ≤ S of decodes, every context and every chunking; for the profiles' attention tables, the minimum
+  over the whole table, which is not monotone in context). τ_min = min over T of τ(T): no non-empty
+  step is shorter. σ(c) = min over T ≥ c of τ(T): no step that computes c or more tokens is shorter.
+  Cost models without ``least_step_times`` fall back to one chunk without context beside d decodes
+  of one token of context, *assuming* context and rows only add time (the tests check both).
 - **Oracle misses**: a block is reusable if another request of the workload has it too (block ids are
   chained, so that means the same prefix); the oracle holds every reusable block on every instance
   from the start. Request i must still compute m(i) = prompt(i) − block_size · h(i) tokens, where h(i)
   = its leading reusable blocks, at most (prompt − 1) // block_size (the engine computes at least one
   token, as the routing core assumes).
-- **TTFT floor** of request i: max(m(i) / R*, τ_min) seconds: its own m(i) tokens go through steps
-  that each compute at most R* tokens per second, and its first token needs at least one step. Every
-  request's TTFT is at least its floor whatever the routing, so the mean TTFT is at least the mean of
-  the floors and every TTFT quantile at least the same quantile of the floors.
+- **TTFT floor** of request i: f(m(i)), the least total time of steps that together compute its
+  m(i) tokens: f(m) = min over chunkings c_1 + … + c_k = m, c_j ≤ B, of Σ σ(c_j) (a dynamic programme,
+  exact up to ``_EXACT_CHUNKS`` budgets, then extended by m / R*), never below max(m / R*, τ_min).
+  A request's chunks go through one instance's steps one after another, and a step holding c of its
+  tokens lasts at least σ(c) whatever else it holds. Every request's TTFT is at least its floor
+  whatever the routing, so the mean TTFT is at least the mean of the floors and every TTFT quantile
+  at least the same quantile of the floors.
 - **Pooled queue** (mean TTFT only): N instances at R* each can do no more than one server of speed
   N · R* that may split any request across instances; on one server, shortest-remaining-work-first
   minimises the mean time to finish (SRPT), so the mean TTFT is at least the mean SRPT finish time of
@@ -65,6 +70,7 @@ __all__ = [
     "peak_rate",
     "spec_bound",
     "spec_engine",
+    "ttft_floors_s",
     "workload_bound",
 ]
 
@@ -79,26 +85,82 @@ class Engine:
     max_batched_tokens: int
     max_num_seqs: int
     peak_decode_s: float = math.inf  # D*: decoded tokens per second at most (d / τ_dec(d), d ≤ S)
+    # σ(c) for c = 1..B at index c − 1: the shortest step that computes at least c tokens, seconds
+    # (min over T ≥ c of τ(T)); empty: unknown (the TTFT floor is then max(m / R*, τ_min))
+    step_floor_s: tuple[float, ...] = field(default=(), repr=False)
 
 
 def peak_rate(cost: CostModel, max_batched_tokens: int, max_num_seqs: int) -> Engine:
-    """R*, τ_min and D* of the module docstring. τ(T) is the shortest of the steps that compute T
-    tokens as one prefill chunk without context plus d ≤ min(T, S) decodes of one token of context
-    (every d; more chunks with the same tokens only add rows, context only adds attention)."""
+    """R*, τ_min, D* and σ of the module docstring. τ(T) is the shortest step of T tokens over every
+    number d ≤ min(T, S) of decodes: the cost model's ``least_step_times(T, S)`` where it has one (a
+    lower bound over every context and chunking: the profiles' attention tables), else its
+    ``step_time`` of one prefill chunk of T − d tokens without context beside d decodes of one token
+    of context (context and more chunks only add time: the assumption the tests check)."""
+    least = getattr(cost, "least_step_times", None)
     best_rate = best_decode = 0.0
     min_step = math.inf
+    taus: list[float] = []
     for t in range(1, max_batched_tokens + 1):
-        tau = math.inf
-        for d in range(min(t, max_num_seqs) + 1):
-            step = cost.step_time([(t - d, 0)] if d < t else [], d, d)
-            if step <= 0:
-                raise ValueError(f"cost model {cost.name!r} gives a step of {t} tokens no time")
-            tau = min(tau, step)
-            if d == t:
-                best_decode = max(best_decode, t / step)
+        if least is not None:
+            steps = least(t, max_num_seqs)
+        else:
+            steps = [
+                cost.step_time([(t - d, 0)] if d < t else [], d, d) for d in range(min(t, max_num_seqs) + 1)
+            ]
+        if min(steps) <= 0:
+            raise ValueError(f"cost model {cost.name!r} gives a step of {t} tokens no time")
+        tau = min(steps)
+        if t <= max_num_seqs:
+            best_decode = max(best_decode, t / steps[t])
         best_rate = max(best_rate, t / tau)
         min_step = min(min_step, tau)
-    return Engine(best_rate, min_step, max_batched_tokens, max_num_seqs, best_decode)
+        taus.append(tau)
+    floor = np.minimum.accumulate(np.array(taus[::-1]))[::-1]  # σ(c) = min over T >= c of τ(T)
+    return Engine(
+        best_rate, min_step, max_batched_tokens, max_num_seqs, best_decode, tuple(float(x) for x in floor)
+    )
+
+
+_EXACT_CHUNKS = 8
+"""The prefill floor is exact up to this many full chunk budgets of tokens (then extended, below)."""
+
+
+@functools.lru_cache(maxsize=8)
+def _prefill_floor_table(engine: Engine, upto: int) -> np.ndarray:
+    """f(m) for m = 0..upto (seconds): the least time of steps that together compute m tokens of one
+    request, f(m) = min over chunkings c_1 + … + c_k = m, c_j ≤ B, of Σ σ(c_j) (a dynamic programme;
+    f is non-decreasing, since σ is and is ≥ 0)."""
+    sigma = np.asarray(engine.step_floor_s, dtype=np.float64)
+    budget = len(sigma)
+    f = np.zeros(upto + 1, dtype=np.float64)
+    for m in range(1, upto + 1):
+        k = m if m < budget else budget
+        f[m] = np.min(f[m - k : m][::-1] + sigma[:k])
+    return f
+
+
+def ttft_floors_s(misses: np.ndarray, engine: Engine) -> np.ndarray:
+    """Each request's TTFT floor (seconds) from its oracle misses m (module docstring, *TTFT floor*):
+    its m tokens go through steps, each computing some c ≤ B of them and so lasting at least σ(c),
+    and its first token needs at least one step. Exact (f(m)) up to ``_EXACT_CHUNKS`` · B tokens;
+    beyond, f(m) ≥ f(M − B + 1) + (m − M) / R* with M that limit (drop whole chunks from an optimal
+    chunking of m until at most M tokens are left: more than M − B remain, and each dropped chunk
+    took at least its tokens / R*). Never below max(m / R*, τ_min)."""
+    m = np.asarray(misses, dtype=np.int64)
+    base = np.maximum(m / engine.peak_tokens_s, engine.min_step_s)
+    sigma = engine.step_floor_s
+    if not sigma or not len(m):
+        return base
+    budget = len(sigma)
+    exact = _EXACT_CHUNKS * budget
+    upto = int(min(max(int(m.max()), budget), exact))
+    f = _prefill_floor_table(engine, upto)
+    inside = np.minimum(m, upto)
+    floors = f[inside]
+    over = m > upto
+    if over.any():
+        floors = np.where(over, f[upto - budget + 1] + (m - upto) / engine.peak_tokens_s, floors)
+    return np.maximum(floors, base)
 
 
 def _misses(ids: np.ndarray, lengths: np.ndarray, prompts: np.ndarray, block_sizes: np.ndarray) -> np.ndarray:
@@ -257,7 +319,7 @@ def workload_bound(requests: Iterable[Request], engine: Engine, instances: int =
         prompt,
         np.frombuffer(sizes, dtype=np.int64),
     )
-    floors = np.sort(np.maximum(misses / engine.peak_tokens_s, engine.min_step_s)) * 1000.0
+    floors = np.sort(ttft_floors_s(misses, engine)) * 1000.0
     k = max(1, math.floor(0.99 * n))
     total = int(prompt.sum())
     return WorkloadBound(

@@ -104,6 +104,28 @@ def test_prefix_cache_hit_is_reported_and_speeds_up_prefill() -> None:
     assert st_.prefix_query_tokens == 1400 and st_.prefix_hit_tokens == 640
 
 
+def test_a_waiting_request_queues_only_its_uncached_prefill() -> None:
+    """A request waiting behind a step counts, in the queued prefill a router reads, the tokens its
+    prefix-cache lookup on arrival left uncached (as the router counts the requests it sends), and
+    the count is exact again once it is admitted and when it ends."""
+    eng = EngineModel(EngineConfig(num_kv_blocks=1000), AffineCost())
+    shared = tuple(range(1, 41))  # 40 blocks = 640 tokens
+    drive(eng, [(0.0, make_req(1, 700, 2, shared))])
+    assert eng.stats().queued_prefill_tokens == 0
+    eng.add_request(make_req(2, 1000, 2), 10.0)  # an idle engine starts a step of it at once
+    assert eng.load().queued_prefill_tokens == 1000
+    t = eng.next_time()
+    assert t is not None
+    eng.add_request(make_req(3, 700, 2, shared), t - 1e-3)  # mid-step: waits; 640 tokens cached
+    eng.add_request(make_req(4, 700, 2), t - 1e-3)  # waits; nothing cached
+    assert eng.load().waiting == 2 and eng.load().queued_prefill_tokens == 1000 + 60 + 700
+    assert dict(eng.in_flight())[3] == 60
+    eng.advance(t)  # both are admitted into the next step, 3 with its real hit
+    assert eng.load().waiting == 0 and eng.load().queued_prefill_tokens == 60 + 700
+    drive(eng, [])
+    assert eng.stats().queued_prefill_tokens == 0
+
+
 def test_full_hit_still_computes_last_token() -> None:
     eng = EngineModel(EngineConfig(num_kv_blocks=100), AffineCost())
     p = tuple(range(1, 11))

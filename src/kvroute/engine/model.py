@@ -70,6 +70,7 @@ class _Seq(RequestBlocks):
         "cached_tokens",
         "computed",
         "d0",
+        "expect",
         "external",
         "key",
         "known",
@@ -81,6 +82,10 @@ class _Seq(RequestBlocks):
     def __init__(self, req: EngineRequest) -> None:
         super().__init__(req)
         self.computed = 0
+        # prompt tokens its prefix-cache lookup on arrival found cached, until its first admission
+        # (then 0: ``computed`` holds the real hit); so the queued prefill a router reads counts a
+        # waiting request's uncached tokens only, as a router counts the requests it sent
+        self.expect = 0
         self.out = 0
         self.known = req.prompt_len  # prompt_len + out, kept in step with out
         self.cached_tokens = 0
@@ -95,8 +100,9 @@ class _Seq(RequestBlocks):
 
 
 def _pending(seq: _Seq) -> int:
-    """Tokens ``seq`` still has to prefill (0 while decoding)."""
-    p = seq.known - seq.computed
+    """Tokens ``seq`` still has to prefill (0 while decoding); before its first admission, net of
+    the prefix-cache hit it found on arrival (``expect``)."""
+    p = seq.known - seq.computed - seq.expect
     return 0 if p == 1 and seq.out else p
 
 
@@ -295,6 +301,8 @@ class EngineModel:
             return
         self._seqs[req.req_id] = seq
         self._waiting.append(seq)
+        if not req.remote_prefill:
+            seq.expect = self.kv.lookup(seq, seq.known)[0] * bs
         self._queued_prefill += _pending(seq)
         if self._step is None:
             self._start_step(now)
@@ -597,6 +605,7 @@ class EngineModel:
                     self._ext_query += seq.req.prompt_len
                     self._ext_hit += external
             self._queued_prefill -= _pending(seq)
+            seq.expect = 0
             seq.computed = computed
             seq.cached_tokens = local  # vLLM reports the local hit (the remote part is external)
             self._queued_prefill += _pending(seq)

@@ -145,7 +145,11 @@ sequence plus the queued prefill the step in progress leaves over) reaches its c
 whose choice is saturated waits at the router and is routed again, from fresh views, at every state
 change of an instance (in the simulator: every engine step end, with a fresh copy of that engine's
 load); priority bands (request classes by BS weight), fair share between users (start-time fair
-queueing over tokens) and a TTL (503 with `Retry-After`) order and bound the wait. The code:
+queueing over tokens) and a TTL (503 with `Retry-After`) order and bound the wait. A waiting
+request *claims* the instance it waits for: later decisions see it there, in `waiting` and in the
+queued prefill, as if it had been sent (saturation is still read from the engine's own view). The
+engine's queued prefill counts a waiting request's uncached tokens only (its prefix-cache hit is
+looked up on arrival), as a router counts the requests it sent. The code:
 `src/kvroute/routing/queue.py`; the simulator's driver: `src/kvroute/sim/cluster.py`.
 """
 

@@ -46,7 +46,7 @@ def test_srpt_mean_by_hand() -> None:
 
 def test_no_step_beats_the_peak_rate_or_the_shortest_step() -> None:
     """The engine limits hold for every step of the default profile's cost model: random steps with
-    prefill contexts up to 120k tokens in all and decode contexts up to 32k (beyond the attention
+    up to 3 prefill chunks with contexts up to 60k tokens each and decode contexts up to 32k (beyond the attention
     table's grid too: the limits come from ``least_step_times``, a lower bound over every context).
     Also the step floor σ(c) of each step's size."""
     cost = get_profile().cost

@@ -214,7 +214,18 @@ class AttentionGrid:
     LLMServingSim's fallback). Lookups are multilinear with at most 16 corners and skip exact axes.
     """
 
-    __slots__ = ("_least", "_nd_stride", "_pc_stride", "_values", "kps", "kvs", "nds", "pcs")
+    __slots__ = (
+        "_least",
+        "_nd_stride",
+        "_pc_stride",
+        "_slope",
+        "_top",
+        "_values",
+        "kps",
+        "kvs",
+        "nds",
+        "pcs",
+    )
 
     def __init__(self, slices: Sequence[dict[str, Any]]) -> None:
         if not slices:
@@ -241,6 +252,9 @@ class AttentionGrid:
                 full[i, j] = by_pair[key]
         self._values: list[float] = full.ravel().tolist()
         self._least = full.min(axis=(2, 3))  # [pc, nd]: the fastest (kp, kv) vertex of each slice
+        # [nd, kp, kv]: the last pc slice and its step from the one before (extrapolation beyond pc)
+        self._top = full[-1]
+        self._slope = full[-1] - full[-2] if len(self.pcs) > 1 else np.zeros_like(full[-1])
         self._pc_stride = len(self.nds) * len(self.kps) * len(self.kvs)
         self._nd_stride = len(self.kps) * len(self.kvs)
 
@@ -279,8 +293,7 @@ class AttentionGrid:
         beyond = (pc > pcs[-1]) & (nd <= nds[-1])
         if len(pcs) < 2 or not beyond.any():
             return edge
-        full = np.asarray(self._values).reshape(len(self.pcs), len(self.nds), len(self.kps), len(self.kvs))
-        top, slope = full[-1], full[-1] - full[-2]  # [nd, kp, kv]
+        top, slope = self._top, self._slope
         over = ((pc[beyond] - pcs[-2]) / (pcs[-1] - pcs[-2]) - 1.0)[:, None, None]
         lo = (top[n0[beyond]] + over * slope[n0[beyond]]).min(axis=(1, 2))
         hi = (top[n1[beyond]] + over * slope[n1[beyond]]).min(axis=(1, 2))
@@ -727,6 +740,12 @@ class ProfileCostModel:
             us += L * 2e6 * self.link.all_reduce(tokens * self.model.hidden * self.model.dtype_bytes, self.tp)
         return us
 
+    def _token_us(self, tokens: int) -> float:
+        """The terms of a step of ``tokens`` tokens that depend on the total only (dense and MoE), µs."""
+        if tokens < len(self._tok_us):
+            return self._tok_us[tokens]
+        return self._dense_us(tokens) + self._moe_us(tokens, 1, 1) * self.model.num_layers
+
     def _seq(self, seqs: int) -> float:
         return self._seq_us[seqs] if seqs < len(self._seq_us) else self.tables.step_sequences(seqs)
 
@@ -739,10 +758,7 @@ class ProfileCostModel:
         which context only adds to)."""
         if tokens <= 0:
             return [0.0]
-        if tokens < len(self._tok_us):
-            tok = self._tok_us[tokens]
-        else:
-            tok = self._dense_us(tokens) + self._moe_us(tokens, 1, 1) * self.model.num_layers
+        tok = self._token_us(tokens)
         d = np.arange(min(tokens, max_decodes) + 1)
         pc = tokens - d
         seq = np.array([self._seq(int(r)) for r in d + (pc > 0)])
@@ -765,10 +781,7 @@ class ProfileCostModel:
             tokens += chunk
         if tokens <= 0:
             return 0.0
-        if tokens < len(self._tok_us):
-            us = self._tok_us[tokens]
-        else:
-            us = self._dense_us(tokens) + self._moe_us(tokens, 1, 1) * self.model.num_layers
+        us = self._token_us(tokens)
         us += self._seq(len(prefill) + num_decode)
         us += self._attention_us(prefill, num_decode, decode_kv_tokens)
         return max(us, 0.0) * 1e-6

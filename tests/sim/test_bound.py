@@ -20,6 +20,7 @@ from kvroute.sim.bound import (
     peak_rate,
     srpt_mean_s,
     ttft_floors_s,
+    workload_bound,
 )
 from kvroute.sim.capacity import CapacityRule, CapacitySearch, Slo
 from kvroute.sim.compare import SpecRunner, run_capacity
@@ -29,12 +30,54 @@ from kvroute.workloads.request import Request
 
 def test_oracle_misses_by_hand() -> None:
     reqs = [
-        Request(0, 0.0, 40, 2, (1, 2), 16),  # 1, 2 shared with request 1; capped at (40-1)//16 = 2 blocks
-        Request(1, 1.0, 48, 2, (1, 2, 3), 16),  # 3 is its own
-        Request(2, 2.0, 32, 2, (9, 10), 16),  # nothing shared
-        Request(3, 3.0, 32, 2, (1, 2), 16),  # whole blocks: one block short of the prompt
+        Request(0, 0.0, 40, 2, (1, 2), 16),  # the first with 1, 2: computes them all
+        Request(1, 1.0, 48, 2, (1, 2, 3), 16),  # 1, 2 came before; 3 is its own
+        Request(2, 2.0, 32, 2, (9, 10), 16),  # nothing came before
+        Request(3, 3.0, 32, 2, (1, 2), 16),  # capped at (32-1)//16 = 1 block: one token short of the prompt
     ]
-    assert oracle_misses(reqs) == [40 - 32, 48 - 32, 32, 32 - 16]
+    assert oracle_misses(reqs) == [40, 48 - 32, 32, 32 - 16]
+
+
+def test_oracle_charges_each_block_to_the_first_arrival_ties_by_position() -> None:
+    reqs = [
+        Request(0, 2.0, 48, 2, (1, 2, 3), 16),  # listed first but arrives last: 1, 2 came before
+        Request(1, 1.0, 40, 2, (1, 2), 16),  # ties with request 2, listed first: computes 1, 2
+        Request(2, 1.0, 40, 2, (1, 2), 16),  # same arrival, after it in the workload: reuses both
+        Request(3, 0.5, 33, 2, (1, 5), 16),  # arrives first with block 1 (5: another prefix)
+    ]
+    assert oracle_misses(reqs) == [48 - 32, 40 - 16, 40 - 32, 33]
+
+
+def test_charged_work_counts_each_block_once_whoever_computes_it() -> None:
+    """A = blocks 1, 2 (32 tokens) then B = block 1 (16 tokens): B's floor needs its capped block
+    recomputed (m = 16), but a router that admits B first computes 32 tokens in all (B: block 1, A:
+    block 2), so the throughput terms charge A 32 and B 0 and the hit-rate ceiling is 16 / 48."""
+    eng = Engine(1000.0, 0.001, 4096, 8, 100.0)
+    reqs = [Request(0, 0.0, 32, 2, (1, 2), 16), Request(1, 1.0, 16, 2, (1,), 16)]
+    assert oracle_misses(reqs) == [32, 16]
+    b = workload_bound(reqs, eng)
+    assert b.works.tolist() == [32, 0]
+    assert b.oracle_hit_rate == pytest.approx(16 / 48)
+
+
+def test_charged_work_does_not_depend_on_the_arrival_order() -> None:
+    """Each distinct block of a chained workload is charged once, to its first holder: Σ w is the
+    same for every arrival order (the floors' misses are not: the cap depends on who comes first)."""
+    eng = Engine(1000.0, 0.001, 4096, 8, 100.0)
+    rng = random.Random(3)
+    for _ in range(50):
+        chains: list[tuple[int, ...]] = []
+        for k in range(12):  # extend an earlier chain, or start a new one
+            base = rng.choice(chains)[: rng.randint(0, 4)] if chains and rng.random() < 0.7 else ()
+            chains.append(base + tuple(1000 * k + j for j in range(rng.randint(0 if base else 1, 3))))
+        reqs = [Request(i, 0.0, 16 * len(c) + rng.randint(0, 15), 2, c, 16) for i, c in enumerate(chains)]
+        totals = set()
+        for _ in range(4):
+            shuffled = [replace(r, arrival=rng.random()) for r in reqs]
+            totals.add(int(workload_bound(shuffled, eng).works.sum()))
+        distinct = len({b for c in chains for b in c})
+        tails = sum(r.prompt_len - 16 * len(r.block_ids) for r in reqs)
+        assert totals == {16 * distinct + tails}
 
 
 def test_srpt_mean_by_hand() -> None:

@@ -10,11 +10,19 @@ Derivation and assumptions: ``docs/results/bound.md``. In short, for N instances
   step is shorter. σ(c) = min over T ≥ c of τ(T): no step that computes c or more tokens is shorter.
   Cost models without ``least_step_times`` fall back to one chunk without context beside d decodes
   of one token of context, *assuming* context and rows only add time (the tests check both).
-- **Oracle misses**: a block is reusable if another request of the workload has it too (block ids are
-  chained, so that means the same prefix); the oracle holds every reusable block on every instance
-  from the start. Request i must still compute m(i) = prompt(i) − block_size · h(i) tokens, where h(i)
-  = its leading reusable blocks, at most (prompt − 1) // block_size (the engine computes at least one
-  token, as the routing core assumes).
+- **Oracle misses**: a block of request i is *seen* if a request before it (by arrival, ties by
+  position in the workload) has it (block ids are chained, so that means the same prefix); the oracle
+  holds every block on every instance from the moment the first request with it arrives, and evicts
+  nothing. h(i) = i's leading seen blocks. Request i's first token still needs m(i) = prompt(i) −
+  block_size · min(h(i), (prompt − 1) // block_size) tokens computed after it arrives, on its
+  instance, in steps one after another (by i, or by requests holding the same prefix): no unseen
+  block can be computed before i arrives (no request holding it had), and the engine computes the
+  tail and at least one token of every prompt (as the routing core assumes).
+- **Charged work** (the throughput terms and the KV hit-rate ceiling): w(i) = prompt(i) −
+  block_size · h(i) (at least 0), with no recompute: each distinct block charged once, to the first
+  request holding it, plus each request's unhashed tail. Every schedule computes each distinct block
+  at least once, after its first holder arrives and before that holder's first token, so Σ w is at
+  most any router's prefill work and 1 − Σ w / Σ prompt at least any router's KV hit rate.
 - **TTFT floor** of request i: f(m(i)), the least total time of steps that together compute its
   m(i) tokens: f(m) = min over chunkings c_1 + … + c_k = m, c_j ≤ B, of Σ σ(c_j) (a dynamic programme,
   exact up to ``_EXACT_CHUNKS`` budgets, then extended by m / R*), never below max(m / R*, τ_min).
@@ -25,16 +33,16 @@ Derivation and assumptions: ``docs/results/bound.md``. In short, for N instances
 - **Pooled queue** (mean TTFT only): N instances at R* each can do no more than one server of speed
   N · R* that may split any request across instances; on one server, shortest-remaining-work-first
   minimises the mean time to finish (SRPT), so the mean TTFT is at least the mean SRPT finish time of
-  the prefill works m(i) released at the arrivals on that server. The mean TTFT bound is the larger
+  the works w(i) released at the arrivals on that server. The mean TTFT bound is the larger
   of this and the mean floor (queueing, which the floors lack, shows at high load).
 - **Peak decode rate** D* = max over d ≤ S of d / τ_dec(d), τ_dec(d) = a step of d decoding
   sequences with one token of context each (a step with d decodes lasts at least that).
 - **Capacity**: meeting TTFT p99 ≤ F and TPOT p99 ≤ P with every request finished needs (1) the k-th
-  smallest TTFT floor ≤ F, k = floor(0.99 · n); (2) at every time t, the m(i) of the requests with
+  smallest TTFT floor ≤ F, k = floor(0.99 · n); (2) at every time t, the w(i) of the requests with
   arrival + F ≤ t, less the n − k largest of them (those allowed to miss F), computed by t: ≤ N · R*
   · t; (3) for the j ≥ n − (n − k) − (n_t − floor(0.99 · n_t)) requests that meet both (n_t:
   requests with more than one output token), finished by arrival + F + (out − 1) · P: at every t,
-  their prefill and decode tokens (m(i) + out(i) − 1) due by t, less the n − j largest, fit in
+  their prefill and decode tokens (w(i) + out(i) − 1) due by t, less the n − j largest, fit in
   N · R* · t, and their decoded tokens (out(i) − 1) in N · D* · t. (Checked at 64 quantiles of the
   due times and the last: fewer checks only loosen the bound.)
   The capacity bound is the lowest rate scale failing one of these (searched like the policies'
@@ -163,35 +171,52 @@ def ttft_floors_s(misses: np.ndarray, engine: Engine) -> np.ndarray:
     return np.maximum(floors, base)
 
 
-def _misses(ids: np.ndarray, lengths: np.ndarray, prompts: np.ndarray, block_sizes: np.ndarray) -> np.ndarray:
-    """m(i) of the module docstring from the requests' concatenated block ids (one run of
-    ``lengths[i]`` ids per request), their prompt lengths and block sizes."""
+def _seen_run(ids: np.ndarray, lengths: np.ndarray, arrivals: np.ndarray) -> np.ndarray:
+    """h(i) before the cap (module docstring) from the requests' concatenated block ids (one run of
+    ``lengths[i]`` ids per request) and arrival times (s): request i's count of leading blocks that a
+    request before it in (arrival, position) order has."""
     n = len(lengths)
-    if n == 0:
-        return np.zeros(0, dtype=np.int64)
-    cap = np.where(prompts > 0, (prompts - 1) // block_sizes, 0)
     h = np.zeros(n, dtype=np.int64)
-    if len(ids):
-        _, inv, counts = np.unique(ids, return_inverse=True, return_counts=True)
-        pos = np.arange(len(ids), dtype=np.int64)
-        first_unshared = np.where(counts[inv] >= 2, len(ids), pos)
-        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-        nonempty = lengths > 0
-        run = np.minimum.reduceat(first_unshared, starts[nonempty]) - starts[nonempty]
-        h[nonempty] = np.minimum(run, lengths[nonempty])
-    h = np.minimum(h, cap)
-    return prompts - h * block_sizes
+    if n == 0 or not len(ids):
+        return h
+    rank = np.empty(n, dtype=np.int64)
+    rank[np.argsort(arrivals, kind="stable")] = np.arange(n, dtype=np.int64)
+    owner = np.repeat(rank, lengths)  # each id's request, as its rank in arrival order
+    _, inv = np.unique(ids, return_inverse=True)
+    first = np.full(int(inv.max()) + 1, n, dtype=np.int64)
+    np.minimum.at(first, inv, owner)  # the earliest request holding each distinct id
+    pos = np.arange(len(ids), dtype=np.int64)
+    first_unseen = np.where(first[inv] < owner, len(ids), pos)
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    nonempty = lengths > 0
+    run = np.minimum.reduceat(first_unseen, starts[nonempty]) - starts[nonempty]
+    h[nonempty] = np.minimum(run, lengths[nonempty])
+    return h
+
+
+def _misses(h: np.ndarray, prompts: np.ndarray, block_sizes: np.ndarray) -> np.ndarray:
+    """m(i): prompt tokens request i computes itself, its seen run ``h`` capped at (prompt − 1) //
+    block size (the floors' misses)."""
+    cap = np.where(prompts > 0, (prompts - 1) // block_sizes, 0)
+    return prompts - np.minimum(h, cap) * block_sizes
+
+
+def _works(h: np.ndarray, prompts: np.ndarray, block_sizes: np.ndarray) -> np.ndarray:
+    """w(i): the prefill work charged to request i (its first-held blocks and its unhashed tail,
+    no recompute: the throughput terms' and the hit-rate ceiling's misses, module docstring)."""
+    return np.maximum(prompts - h * block_sizes, 0)
 
 
 def oracle_misses(requests: Iterable[Request]) -> list[int]:
-    """m(i) per request (module docstring): prompt tokens left to compute when every block another
-    request shares is cached on every instance."""
+    """m(i) per request (module docstring): prompt tokens it computes itself when every block an
+    earlier request had is cached on every instance."""
     reqs = list(requests)
     ids = np.fromiter((b & _MASK for r in reqs for b in r.block_ids), dtype=np.uint64)
     lengths = np.array([len(r.block_ids) for r in reqs], dtype=np.int64)
     prompts = np.array([r.prompt_len for r in reqs], dtype=np.int64)
     sizes = np.array([r.block_size for r in reqs], dtype=np.int64)
-    return [int(m) for m in _misses(ids, lengths, prompts, sizes)]
+    arrivals = np.array([r.arrival for r in reqs], dtype=np.float64)
+    return [int(m) for m in _misses(_seen_run(ids, lengths, arrivals), prompts, sizes)]
 
 
 _MASK = (1 << 64) - 1
@@ -219,7 +244,8 @@ def _fits_by_deadlines(
 class WorkloadBound:
     """The bound's terms on one generated workload: ``requests``, ``last_arrival_s``, the oracle's
     KV hit rate (cached / prompt tokens), the mean and p99 TTFT floors and the pooled SRPT mean (ms),
-    and per request the arrival (s), the oracle's misses and the output tokens (for :meth:`meets`)."""
+    and per request the arrival (s), the prefill work w(i) charged to it and the output tokens (for
+    :meth:`meets`)."""
 
     requests: int
     last_arrival_s: float
@@ -228,7 +254,7 @@ class WorkloadBound:
     ttft_floor_p99_ms: float
     pooled_srpt_mean_ms: float = 0.0
     arrivals: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False, compare=False)
-    misses: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False, compare=False)
+    works: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False, compare=False)
     outputs: np.ndarray = field(
         default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False, compare=False
     )
@@ -250,7 +276,7 @@ class WorkloadBound:
         ttft_s, tpot_s = ttft_p99_ms / 1000.0, tpot_p99_ms / 1000.0
         rate = instances * engine.peak_tokens_s
         a = np.asarray(self.arrivals, dtype=np.float64)
-        m = np.asarray(self.misses, dtype=np.int64)
+        m = np.asarray(self.works, dtype=np.int64)
         if not _fits_by_deadlines(a + ttft_s, m, n - k, rate):
             return False
         decoded = np.asarray(self.outputs, dtype=np.int64) - 1
@@ -313,24 +339,25 @@ def workload_bound(requests: Iterable[Request], engine: Engine, instances: int =
     if n == 0:
         return WorkloadBound(0, 0.0, 0.0, 0.0, 0.0)
     prompt = np.frombuffer(prompts, dtype=np.int64)
-    misses = _misses(
+    sizes_ = np.frombuffer(sizes, dtype=np.int64)
+    h = _seen_run(
         np.frombuffer(ids, dtype=np.uint64),
         np.frombuffer(lengths, dtype=np.int64),
-        prompt,
-        np.frombuffer(sizes, dtype=np.int64),
+        np.frombuffer(arrivals, dtype=np.float64),
     )
-    floors = np.sort(ttft_floors_s(misses, engine)) * 1000.0
+    works = _works(h, prompt, sizes_)
+    floors = np.sort(ttft_floors_s(_misses(h, prompt, sizes_), engine)) * 1000.0
     k = max(1, math.floor(0.99 * n))
     total = int(prompt.sum())
     return WorkloadBound(
         requests=n,
         last_arrival_s=max(arrivals),
-        oracle_hit_rate=(total - int(misses.sum())) / total if total else 0.0,
+        oracle_hit_rate=(total - int(works.sum())) / total if total else 0.0,
         ttft_floor_mean_ms=float(floors.mean()),
         ttft_floor_p99_ms=float(floors[k - 1]),
-        pooled_srpt_mean_ms=1000.0 * srpt_mean_s(arrivals, misses.tolist(), instances * engine.peak_tokens_s),
+        pooled_srpt_mean_ms=1000.0 * srpt_mean_s(arrivals, works.tolist(), instances * engine.peak_tokens_s),
         arrivals=np.frombuffer(arrivals, dtype=np.float64).copy(),
-        misses=misses,
+        works=works,
         outputs=np.frombuffer(outputs, dtype=np.int64).copy(),
     )
 

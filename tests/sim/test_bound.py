@@ -16,6 +16,7 @@ from kvroute.sim.bound import (
     WorkloadBound,
     bound_summary,
     capacity_bound,
+    hit_rate_ceiling,
     oracle_misses,
     peak_rate,
     srpt_mean_s,
@@ -57,7 +58,8 @@ def test_charged_work_counts_each_block_once_whoever_computes_it() -> None:
     assert oracle_misses(reqs) == [32, 16]
     b = workload_bound(reqs, eng)
     assert b.works.tolist() == [32, 0]
-    assert b.oracle_hit_rate == pytest.approx(16 / 48)
+    assert b.oracle_hit_rate == pytest.approx(16 / 48) == hit_rate_ceiling(reqs)
+    assert hit_rate_ceiling([]) == 0.0
 
 
 def test_charged_work_does_not_depend_on_the_arrival_order() -> None:

@@ -966,8 +966,9 @@ def paper_markdown(result: dict[str, Any], out_dir: Path, doc: Path) -> str:
             "## The bound: capacity as a fraction of what no router can beat",
             "",
             "Capacity bound: the lowest rate scale at which the SLO is out of reach for any router on "
-            "this engine model; mean TTFT bound at the default load; the oracle's KV hit rate (every "
-            "prefix another request reuses held on every instance). Derivation and assumptions: "
+            "this engine model; mean TTFT bound at the default load; the oracle's KV hit rate, the most "
+            "any router keeps (every block held on every instance once a request with it has "
+            "arrived). Derivation and assumptions: "
             f"[bound.md]({_rel(out_dir.parent / 'bound.md', doc)}). Policy columns: capacity / the "
             "capacity bound (seed 0; 1.00 would be the limit). The bound column above is the bound "
             f"relative to `{ref}`.",

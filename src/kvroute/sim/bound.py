@@ -74,6 +74,7 @@ __all__ = [
     "WorkloadBound",
     "bound_summary",
     "capacity_bound",
+    "hit_rate_ceiling",
     "oracle_misses",
     "peak_rate",
     "spec_bound",
@@ -205,6 +206,22 @@ def _works(h: np.ndarray, prompts: np.ndarray, block_sizes: np.ndarray) -> np.nd
     """w(i): the prefill work charged to request i (its first-held blocks and its unhashed tail,
     no recompute: the throughput terms' and the hit-rate ceiling's misses, module docstring)."""
     return np.maximum(prompts - h * block_sizes, 0)
+
+
+def hit_rate_ceiling(requests: Iterable[Request]) -> float:
+    """The oracle's KV hit rate on ``requests``: 1 − Σ w(i) / Σ prompt(i) (module docstring, *charged
+    work*), at least any router's cached / prompt tokens on them, whatever the cluster; 0 when empty."""
+    reqs = list(requests)
+    total = sum(r.prompt_len for r in reqs)
+    if not total:
+        return 0.0
+    ids = np.fromiter((b & _MASK for r in reqs for b in r.block_ids), dtype=np.uint64)
+    lengths = np.array([len(r.block_ids) for r in reqs], dtype=np.int64)
+    prompts = np.array([r.prompt_len for r in reqs], dtype=np.int64)
+    sizes = np.array([r.block_size for r in reqs], dtype=np.int64)
+    arrivals = np.array([r.arrival for r in reqs], dtype=np.float64)
+    works = _works(_seen_run(ids, lengths, arrivals), prompts, sizes)
+    return (total - int(works.sum())) / total
 
 
 def oracle_misses(requests: Iterable[Request]) -> list[int]:

@@ -1,7 +1,10 @@
-set -e
-cd /work/wt/policies
-export PYTHONPATH=$PWD/src
-K=/work/main/.venv/bin/kvroute
+#!/usr/bin/env bash
+# The peers' LMetric variants at each synthetic workload's default load, and capacity at the paper
+# preset's chatbot SLO, with the bound. Usage: bash docs/results/peers-default/run.sh (from any
+# directory; about 10 min on 2 free cores), then python docs/results/peers-default/make_table.py.
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+K=${KVROUTE:-.venv/bin/kvroute}
 # default loads = half the vllm saturation rates found by the paper-peers preset's search (60 s arrivals)
 for wr in chatbot:5.66 coder:6.73 api:6.73 agent:3.36; do
   w=${wr%%:*}; r=${wr##*:}

@@ -126,6 +126,18 @@ def test_a_waiting_request_queues_only_its_uncached_prefill() -> None:
     assert eng.stats().queued_prefill_tokens == 0
 
 
+def test_a_request_preempted_before_its_first_token_reports_its_first_hit() -> None:
+    """Preempted mid-prefill and admitted again, a request finds its own computed blocks in the
+    cache; it still reports the hit of its first admission (vLLM sets ``num_cached_tokens`` once),
+    here none: nothing it shares was cached."""
+    eng = EngineModel(EngineConfig(num_kv_blocks=22, max_num_batched_tokens=64), AffineCost())
+    outs = drive(eng, [(0.0, make_req(1, 32, 300)), (0.0, make_req(2, 320, 2))])
+    assert any(o.kind is OutputKind.PREEMPTED and o.req_id == 2 for o in outs)
+    first = next(o for o in outs if o.kind is OutputKind.FIRST_TOKEN and o.req_id == 2)
+    assert first.num_cached_tokens == 0
+    assert {o.req_id for o in outs if o.kind is OutputKind.FINISHED} == {1, 2}
+
+
 def test_full_hit_still_computes_last_token() -> None:
     eng = EngineModel(EngineConfig(num_kv_blocks=100), AffineCost())
     p = tuple(range(1, 11))

@@ -13,6 +13,7 @@ import pytest
 from kvroute.engine.cost import get_profile
 from kvroute.sim.bound import (
     Engine,
+    UnchainedBlocks,
     WorkloadBound,
     bound_summary,
     capacity_bound,
@@ -34,7 +35,7 @@ def test_oracle_misses_by_hand() -> None:
         Request(0, 0.0, 40, 2, (1, 2), 16),  # the first with 1, 2: computes them all
         Request(1, 1.0, 48, 2, (1, 2, 3), 16),  # 1, 2 came before; 3 is its own
         Request(2, 2.0, 32, 2, (9, 10), 16),  # nothing came before
-        Request(3, 3.0, 32, 2, (1, 2), 16),  # capped at (32-1)//16 = 1 block: one token short of the prompt
+        Request(3, 3.0, 32, 2, (1, 2), 16),  # capped at (32-1)//16 = 1 block: its last block is recomputed
     ]
     assert oracle_misses(reqs) == [40, 48 - 32, 32, 32 - 16]
 
@@ -47,6 +48,33 @@ def test_oracle_charges_each_block_to_the_first_arrival_ties_by_position() -> No
         Request(3, 0.5, 33, 2, (1, 5), 16),  # arrives first with block 1 (5: another prefix)
     ]
     assert oracle_misses(reqs) == [48 - 32, 40 - 16, 40 - 32, 33]
+
+
+def test_oracle_orders_by_arrival_not_by_listing() -> None:
+    """Listed 0, 1, 2 but arriving 1 s, 2 s, 0 s (an order whose sort is not its own inverse): request
+    2 comes first and computes block 1, request 0 then reuses it, request 1 reuses blocks 1 and 2."""
+    reqs = [
+        Request(0, 1.0, 33, 2, (1, 2), 16),
+        Request(1, 2.0, 49, 2, (1, 2, 3), 16),
+        Request(2, 0.0, 17, 2, (1,), 16),
+    ]
+    assert oracle_misses(reqs) == [33 - 16, 49 - 32, 17]
+
+
+@pytest.mark.parametrize(
+    "chains",
+    [
+        [(5,), (1, 5)],  # id 5 first in one request, after 1 in another
+        [(1, 5), (2, 5)],  # id 5 after two different prefixes
+        [(7, 7)],  # one id twice in one request
+    ],
+)
+def test_unchained_block_ids_get_no_bound(chains: list[tuple[int, ...]]) -> None:
+    reqs = [Request(i, float(i), 16 * len(c) + 1, 2, c, 16) for i, c in enumerate(chains)]
+    with pytest.raises(UnchainedBlocks, match="chained block ids"):
+        hit_rate_ceiling(reqs)
+    with pytest.raises(UnchainedBlocks):
+        workload_bound(reqs, Engine(1000.0, 0.001, 4096, 8, 100.0))
 
 
 def test_charged_work_counts_each_block_once_whoever_computes_it() -> None:

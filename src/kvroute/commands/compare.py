@@ -415,16 +415,19 @@ def run_compare(args: argparse.Namespace) -> int:
     if not args.no_bound:
         from dataclasses import replace
 
-        from kvroute.sim.bound import bound_summary
+        from kvroute.sim.bound import UnchainedBlocks, bound_summary
 
         reached = [c["rate"] for c in (capacity or {}).get("policies", {}).values() if c["rate"] is not None]
-        bound = bound_summary(
-            lambda r: replace(base, rate_scale=r),
-            rates,
-            (slo.ttft_p99_ms, slo.tpot_p99_ms) if slo else None,
-            max(reached, default=min(rates)),
-        )
-        meta["bound"] = bound
+        try:
+            bound = bound_summary(
+                lambda r: replace(base, rate_scale=r),
+                rates,
+                (slo.ttft_p99_ms, slo.tpot_p99_ms) if slo else None,
+                max(reached, default=min(rates)),
+            )
+            meta["bound"] = bound
+        except UnchainedBlocks as exc:
+            print(f"note: no bound: {exc}")
     ref = reference_setting(base, scrapes, delays)
     table = compare_table_md(runs, ref)
     if capacity is not None:

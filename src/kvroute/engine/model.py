@@ -599,15 +599,15 @@ class EngineModel:
             if not kv.admit(seq, hit, hit_evictable, computed + n, seq.out == 0):
                 break
             waiting.popleft()
-            if seq.external < 0:
+            if seq.external < 0:  # first admission: a preempted request keeps its first hit (as vLLM)
                 seq.external = external
+                seq.cached_tokens = local  # vLLM reports the local hit (the remote part is external)
                 if seq.req.remote_prefill:
                     self._ext_query += seq.req.prompt_len
                     self._ext_hit += external
             self._queued_prefill -= _pending(seq)
             seq.expect = 0
             seq.computed = computed
-            seq.cached_tokens = local  # vLLM reports the local hit (the remote part is external)
             self._queued_prefill += _pending(seq)
             seq.stepping = True
             self._adm += 1

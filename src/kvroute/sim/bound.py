@@ -22,7 +22,11 @@ Derivation and assumptions: ``docs/results/bound.md``. In short, for N instances
   block_size · h(i) (at least 0), with no recompute: each distinct block charged once, to the first
   request holding it, plus each request's unhashed tail. Every schedule computes each distinct block
   at least once, after its first holder arrives and before that holder's first token, so Σ w is at
-  most any router's prefill work and 1 − Σ w / Σ prompt at least any router's KV hit rate.
+  most any router's prefill work and 1 − Σ w / Σ prompt at least any router's KV hit rate (the hit
+  each request reports at its first admission, as vLLM does, when every request finishes).
+- **Chained ids**: all of this reads equal block ids as an equal prefix (each id has one predecessor
+  and one position wherever it occurs), as the engine's prefix cache does; a workload whose ids are not
+  chained raises :class:`UnchainedBlocks` and gets no bound.
 - **TTFT floor** of request i: f(m(i)), the least total time of steps that together compute its
   m(i) tokens: f(m) = min over chunkings c_1 + … + c_k = m, c_j ≤ B, of Σ σ(c_j) (a dynamic programme,
   exact up to ``_EXACT_CHUNKS`` budgets, then extended by m / R*), never below max(m / R*, τ_min).
@@ -64,6 +68,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvroute.engine.types import CostModel
+from kvroute.errors import UserError
 from kvroute.workloads.request import Request
 
 if TYPE_CHECKING:
@@ -71,6 +76,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Engine",
+    "UnchainedBlocks",
     "WorkloadBound",
     "bound_summary",
     "capacity_bound",
@@ -172,24 +178,41 @@ def ttft_floors_s(misses: np.ndarray, engine: Engine) -> np.ndarray:
     return np.maximum(floors, base)
 
 
+class UnchainedBlocks(UserError):
+    """The workload's block ids are not chained (an id seen after two different prefixes, or twice
+    in one request): the bound assumes equal ids mean an equal prefix, so it is not computed."""
+
+
 def _seen_run(ids: np.ndarray, lengths: np.ndarray, arrivals: np.ndarray) -> np.ndarray:
     """h(i) before the cap (module docstring) from the requests' concatenated block ids (one run of
     ``lengths[i]`` ids per request) and arrival times (s): request i's count of leading blocks that a
-    request before it in (arrival, position) order has."""
+    request before it in (arrival, position) order has. Raises :class:`UnchainedBlocks` unless every
+    distinct id has one predecessor id and one position in every request that holds it."""
     n = len(lengths)
     h = np.zeros(n, dtype=np.int64)
     if n == 0 or not len(ids):
         return h
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    nonempty = lengths > 0
+    pos = np.arange(len(ids), dtype=np.int64)
+    at = pos - np.repeat(starts, lengths)  # each id's position in its request
+    order = np.argsort(ids, kind="stable")
+    same = ids[order][1:] == ids[order][:-1]  # neighbours in sorted order holding the same id
+    inv = np.empty(len(ids), dtype=np.int64)
+    inv[order] = np.concatenate(([0], np.cumsum(~same)))
+    pred = np.roll(ids, 1)  # each id's predecessor in its request (0 for a first block)
+    pred[starts[nonempty]] = 0
+    if (same & ((at[order][1:] != at[order][:-1]) | (pred[order][1:] != pred[order][:-1]))).any():
+        raise UnchainedBlocks(
+            "the bound needs chained block ids (equal ids meaning an equal prefix): this workload has an "
+            "id after two different prefixes or twice in one request"
+        )
     rank = np.empty(n, dtype=np.int64)
     rank[np.argsort(arrivals, kind="stable")] = np.arange(n, dtype=np.int64)
     owner = np.repeat(rank, lengths)  # each id's request, as its rank in arrival order
-    _, inv = np.unique(ids, return_inverse=True)
     first = np.full(int(inv.max()) + 1, n, dtype=np.int64)
     np.minimum.at(first, inv, owner)  # the earliest request holding each distinct id
-    pos = np.arange(len(ids), dtype=np.int64)
     first_unseen = np.where(first[inv] < owner, len(ids), pos)
-    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    nonempty = lengths > 0
     run = np.minimum.reduceat(first_unseen, starts[nonempty]) - starts[nonempty]
     h[nonempty] = np.minimum(run, lengths[nonempty])
     return h
@@ -208,31 +231,31 @@ def _works(h: np.ndarray, prompts: np.ndarray, block_sizes: np.ndarray) -> np.nd
     return np.maximum(prompts - h * block_sizes, 0)
 
 
-def hit_rate_ceiling(requests: Iterable[Request]) -> float:
-    """The oracle's KV hit rate on ``requests``: 1 − Σ w(i) / Σ prompt(i) (module docstring, *charged
-    work*), at least any router's cached / prompt tokens on them, whatever the cluster; 0 when empty."""
-    reqs = list(requests)
-    total = sum(r.prompt_len for r in reqs)
-    if not total:
-        return 0.0
+def _columns(reqs: Sequence[Request]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The requests' concatenated block ids, block counts, prompt lengths, block sizes and arrivals."""
     ids = np.fromiter((b & _MASK for r in reqs for b in r.block_ids), dtype=np.uint64)
     lengths = np.array([len(r.block_ids) for r in reqs], dtype=np.int64)
     prompts = np.array([r.prompt_len for r in reqs], dtype=np.int64)
     sizes = np.array([r.block_size for r in reqs], dtype=np.int64)
     arrivals = np.array([r.arrival for r in reqs], dtype=np.float64)
-    works = _works(_seen_run(ids, lengths, arrivals), prompts, sizes)
-    return (total - int(works.sum())) / total
+    return ids, lengths, prompts, sizes, arrivals
+
+
+def hit_rate_ceiling(requests: Iterable[Request]) -> float:
+    """The oracle's KV hit rate on ``requests``: 1 − Σ w(i) / Σ prompt(i) (module docstring, *charged
+    work*), at least any router's cached / prompt tokens on them when every request finishes; 0 when
+    empty. Raises :class:`UnchainedBlocks` (a :class:`UserError`) for unchained block ids."""
+    ids, lengths, prompts, sizes, arrivals = _columns(list(requests))
+    total = int(prompts.sum())
+    if not total:
+        return 0.0
+    return (total - int(_works(_seen_run(ids, lengths, arrivals), prompts, sizes).sum())) / total
 
 
 def oracle_misses(requests: Iterable[Request]) -> list[int]:
-    """m(i) per request (module docstring): prompt tokens it computes itself when every block an
-    earlier request had is cached on every instance."""
-    reqs = list(requests)
-    ids = np.fromiter((b & _MASK for r in reqs for b in r.block_ids), dtype=np.uint64)
-    lengths = np.array([len(r.block_ids) for r in reqs], dtype=np.int64)
-    prompts = np.array([r.prompt_len for r in reqs], dtype=np.int64)
-    sizes = np.array([r.block_size for r in reqs], dtype=np.int64)
-    arrivals = np.array([r.arrival for r in reqs], dtype=np.float64)
+    """m(i) per request (module docstring): prompt tokens its first token needs computed after it
+    arrives when every block an earlier request had is cached on every instance."""
+    ids, lengths, prompts, sizes, arrivals = _columns(list(requests))
     return [int(m) for m in _misses(_seen_run(ids, lengths, arrivals), prompts, sizes)]
 
 

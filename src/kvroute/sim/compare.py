@@ -25,7 +25,7 @@ from typing import Any
 from kvroute.errors import UserError
 from kvroute.policies.registry import PEER_LMETRICS
 from kvroute.routing.queue import QueueConfig
-from kvroute.sim.bound import bound_summary
+from kvroute.sim.bound import UnchainedBlocks, bound_summary
 from kvroute.sim.capacity import Capacity, CapacityRule, CapacitySearch, Slo
 from kvroute.sim.runner import RunSpec, run_spec
 
@@ -571,7 +571,10 @@ def _serial(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
 def _bound_task(task: tuple[PaperWorkload, PaperPlan, float, tuple[float, float] | None, float]) -> Any:
     """One workload's bound (worker process): see :func:`kvroute.sim.bound.bound_summary`."""
     w, plan, default_rate, slo, start = task
-    return bound_summary(lambda r: w.spec(plan, plan.reference, r), [default_rate], slo, start)
+    try:
+        return bound_summary(lambda r: w.spec(plan, plan.reference, r), [default_rate], slo, start)
+    except UnchainedBlocks as exc:
+        return {"skipped": str(exc)}
 
 
 def run_paper(
@@ -693,6 +696,9 @@ def run_paper(
             reached = [c.rate for (n, _, _), c in caps.items() if n == w.name and c.rate is not None]
             tasks.append((w, plan, default[w.name], slo, max(reached, default=w.light_rate)))
         for w, b in zip(plan.workloads, (mapper or _serial)(_bound_task, tasks), strict=True):
+            if "skipped" in b:
+                note(f"{w.name}: no bound: {b['skipped']}")
+                continue
             bounds[w.name] = b
             cap = b.get("capacity")
             note(

@@ -7,7 +7,8 @@ queue's, or the seed's?
 
 For each rate and seed 0 … N−1, runs ``kvroute sim`` with and without ``--router-queue`` (its
 defaults) on the same generated workload and reports, per rate: how many seeds meet the SLO (TTFT
-p99 and TPOT p99 at most the objectives, every request finished) with and without the queue, the
+p99 and TPOT p99 at most the objectives, every request finished) with and without the queue, and in
+how many only one of the two does (the discordant seeds a paired sign test reads), the
 paired difference of TPOT p99 and TTFT p99 (queue − none, ms; mean and 95 % t interval over the
 seeds), and how many requests waited at the router. The defaults are the paper preset's api cell
 where ``lmetric +queue`` lost one capacity step (×6.17, its SLO). Writes
@@ -99,6 +100,17 @@ def main(argv: list[str] | None = None) -> int:
                 "rate_scale": r,
                 "meets_without": sum(meets(a, args.slo_ttft_ms, args.slo_tpot_ms) for a, _ in pairs),
                 "meets_with": sum(meets(b, args.slo_ttft_ms, args.slo_tpot_ms) for _, b in pairs),
+                # discordant seeds: the SLO met only without the queue / only with it
+                "only_without": sum(
+                    meets(a, args.slo_ttft_ms, args.slo_tpot_ms)
+                    and not meets(b, args.slo_ttft_ms, args.slo_tpot_ms)
+                    for a, b in pairs
+                ),
+                "only_with": sum(
+                    meets(b, args.slo_ttft_ms, args.slo_tpot_ms)
+                    and not meets(a, args.slo_ttft_ms, args.slo_tpot_ms)
+                    for a, b in pairs
+                ),
                 "tpot_p99_ms": paired([b["tpot_ms"]["p99"] - a["tpot_ms"]["p99"] for a, b in pairs]),
                 "ttft_p99_ms": paired([b["ttft_ms"]["p99"] - a["ttft_ms"]["p99"] for a, b in pairs]),
                 "tpot_p99_without_ms": statistics.fmean(a["tpot_ms"]["p99"] for a, _ in pairs),
@@ -121,14 +133,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(specs)} runs in {wall:.0f} s\n"
     )
     print(
-        "| rate scale | seeds meeting the SLO: none / +queue | TPOT p99, +queue − none (ms) [95 %] "
+        "| rate scale | seeds meeting the SLO: none / +queue | met only without / only with | TPOT p99, +queue − none (ms) [95 %] "
         "| TTFT p99, +queue − none (ms) [95 %] | mean TPOT p99 without (ms) | requests queued per run |"
     )
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         tp, tt = row["tpot_p99_ms"], row["ttft_p99_ms"]
         print(
             f"| ×{row['rate_scale']:.3g} | {row['meets_without']} / {row['meets_with']} of {n} "
+            f"| {row['only_without']} / {row['only_with']} "
             f"| {tp['mean']:+.1f} [{tp['low']:+.1f}, {tp['high']:+.1f}] "
             f"| {tt['mean']:+.1f} [{tt['low']:+.1f}, {tt['high']:+.1f}] "
             f"| {row['tpot_p99_without_ms']:.1f} | {row['queued_per_run']:.1f} of {row['requests_per_run']:,.0f} |"

@@ -85,7 +85,9 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def fleet() -> tuple[list[subprocess.Popen[bytes]], list[str], list[str]]:
-    procs, pre, dec = [], [], []
+    procs: list[subprocess.Popen[bytes]] = []
+    pre: list[str] = []
+    dec: list[str] = []
     for role, urls, n in (("kv_producer", pre, PREFILL), ("kv_consumer", dec, DECODE)):
         for _ in range(n):
             port = free_port()

@@ -84,7 +84,7 @@ RATES = tuple(int(r) for r in os.environ.get("PEERS_RATES", "50,125,250").split(
 ROUNDS = int(os.environ.get("PEERS_ROUNDS", "2"))
 MAX_LAG_S = 0.5
 IDLE_S = 5.0
-PATHS = ("kvroute", "sglang-router", "vllm-router cache_aware", "vllm-router kv_aware", "direct")
+PATHS: tuple[str, ...] = ("kvroute", "sglang-router", "vllm-router cache_aware", "vllm-router kv_aware", "direct")
 
 
 def _group_cpu_s(pgid: int) -> float:
@@ -111,7 +111,7 @@ def _top_cpu(exclude: set[int], since: dict[int, tuple[str, int]]) -> list[dict[
     """Processes outside ``exclude`` (process groups) by CPU used since the ``since`` snapshot."""
     now = _snapshot()
     tck = os.sysconf("SC_CLK_TCK")
-    rows = []
+    rows: list[dict[str, Any]] = []
     for pid, (name, ticks) in now.items():
         pg = _pgid(pid)
         if pg in exclude:

@@ -125,7 +125,8 @@ def ttft_cost() -> dict[str, Any]:
 def main() -> int:
     state, reqs = _state()
     asyncio.run(direct(state, reqs[:100]))  # warm-up
-    rounds: dict[str, list[float]] = {"direct": [], "queue": []} | {f"tick/{k}": [] for k in BATCHES}
+    rounds: dict[str, list[float]] = {"direct": [], "queue": []}
+    rounds |= {f"tick/{k}": [] for k in BATCHES}
     for _ in range(3):  # interleaved, to share the machine's load
         rounds["direct"].append(asyncio.run(direct(state, reqs)))
         rounds["queue"].append(asyncio.run(queued(state, reqs, 1, 0.0)))

@@ -266,7 +266,7 @@ def main() -> int:
                     f"{s['kv_hit_rate']:.2f}",
                 )
             )
-    table(rows, ("burst", "requests per backend (by round)", "TTFT mean / p50 / p99 ms", "KV hit"))  # type: ignore[arg-type]
+    table(rows, ("burst", "requests per backend (by round)", "TTFT mean / p50 / p99 ms", "KV hit"))
     result["wall_seconds"] = round(time.perf_counter() - t0, 1)
     write("replicas.json", result)
     return 0

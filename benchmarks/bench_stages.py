@@ -60,7 +60,7 @@ PATH_STAGES = ("parse", "split", "tokenize", "hash", "plan", "observe")
 STAGES = (*PATH_STAGES, "routed", "events")
 
 
-OBSERVED = {"explain": True, "shadow": ("vllm", "llm-d", "round-robin")}
+OBSERVED: dict[str, Any] = {"explain": True, "shadow": ("vllm", "llm-d", "round-robin")}
 """The second run's config: explanation headers and three shadow policies."""
 
 

@@ -23,7 +23,7 @@ MAX_PROMPT_TOKENS = 2048
 
 def _prompts(tok: Tokenizer) -> list[str]:
     text = BlockText(tok)
-    out = []
+    out: list[str] = []
     for r in make_workload("chatbot", seed=7, rate_scale=8.0, duration=3600.0):
         if len(out) >= PROMPTS:
             break

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ def write(name: str, data: dict[str, Any]) -> Path:
 
 
 def table(
-    rows: list[tuple[str, str, str]], headers: tuple[str, str, str] = ("metric", "measured", "target")
+    rows: Sequence[tuple[str, ...]], headers: tuple[str, ...] = ("metric", "measured", "target")
 ) -> None:
     """Print a small aligned table."""
     from rich.console import Console

@@ -84,7 +84,13 @@ RATES = tuple(int(r) for r in os.environ.get("PEERS_RATES", "50,125,250").split(
 ROUNDS = int(os.environ.get("PEERS_ROUNDS", "2"))
 MAX_LAG_S = 0.5
 IDLE_S = 5.0
-PATHS: tuple[str, ...] = ("kvroute", "sglang-router", "vllm-router cache_aware", "vllm-router kv_aware", "direct")
+PATHS: tuple[str, ...] = (
+    "kvroute",
+    "sglang-router",
+    "vllm-router cache_aware",
+    "vllm-router kv_aware",
+    "direct",
+)
 
 
 def _group_cpu_s(pgid: int) -> float:

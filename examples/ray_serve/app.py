@@ -5,7 +5,8 @@ emulated engine (:class:`kvroute.integrations.ray_engine.EmulatedEngine`: the en
 ``kvroute engine``, on the wall clock) in ``--replicas`` replicas, then replays one multi-turn chat
 workload through the deployment's handle once per router:
 
-- ``kvroute``: :class:`kvroute.integrations.ray_serve.KVRouteRequestRouter` (``lmetric``);
+- ``kvroute``: :class:`kvroute.integrations.ray_serve.KVRouteRequestRouter` (``lmetric``, or the
+  registry policy ``--kvroute-policy`` names);
 - ``ray-default``: Ray Serve's default (power of two choices);
 - ``ray-prefix``: Ray Serve LLM's ``PrefixCacheAffinityRouter``, when it imports here (it needs no
   GPU library; its public module also pulls ``pyarrow``, so the internal module is tried as well).
@@ -175,10 +176,14 @@ def deploy(args: argparse.Namespace, app: str, router: Any) -> Any:
     from ray.serve.config import RequestRouterConfig
 
     from kvroute.integrations.ray_engine import EmulatedEngine
+    from kvroute.integrations.ray_serve import KVRouteRequestRouter
 
     cfg = RequestRouterConfig(request_routing_stats_period_s=0.5)
     if router is not None:
-        cfg = RequestRouterConfig(request_router_class=router, request_routing_stats_period_s=0.5)
+        kwargs = {"policy": args.kvroute_policy} if router is KVRouteRequestRouter else {}
+        cfg = RequestRouterConfig(
+            request_router_class=router, request_router_kwargs=kwargs, request_routing_stats_period_s=0.5
+        )
     dep = serve.deployment(
         EmulatedEngine,
         name="engine",
@@ -289,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-blocks", type=int, default=1024, help="KV pool per replica, 16-token blocks")
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray")
     p.add_argument("--routers", default=None, help="comma-separated subset of kvroute,ray-default,ray-prefix")
+    p.add_argument(
+        "--kvroute-policy", default="lmetric", help="the policy of kvroute's router (any registry name)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=1, help="runs per router, interleaved")
     p.add_argument(
@@ -323,6 +331,15 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+    try:  # a bad policy name: one line here, not a failed deployment later
+        from kvroute.errors import UserError
+        from kvroute.features.settings import FeatureConfig
+        from kvroute.routing.core import build_policy
+
+        build_policy(args.kvroute_policy, FeatureConfig(), random.Random(0))
+    except UserError as exc:
+        print(f"error: --kvroute-policy: {exc}", file=sys.stderr)
+        return 2
     if note:
         print(note)
     ray.init(

@@ -197,12 +197,14 @@ def _seen_run(ids: np.ndarray, lengths: np.ndarray, arrivals: np.ndarray) -> np.
     pos = np.arange(len(ids), dtype=np.int64)
     at = pos - np.repeat(starts, lengths)  # each id's position in its request
     order = np.argsort(ids, kind="stable")
-    same = ids[order][1:] == ids[order][:-1]  # neighbours in sorted order holding the same id
+    ids_s = ids[order]
+    same = ids_s[1:] == ids_s[:-1]  # neighbours in sorted order holding the same id
     inv = np.empty(len(ids), dtype=np.int64)
     inv[order] = np.concatenate(([0], np.cumsum(~same)))
     pred = np.roll(ids, 1)  # each id's predecessor in its request (0 for a first block)
     pred[starts[nonempty]] = 0
-    if (same & ((at[order][1:] != at[order][:-1]) | (pred[order][1:] != pred[order][:-1]))).any():
+    at_s, pred_s = at[order], pred[order]
+    if (same & ((at_s[1:] != at_s[:-1]) | (pred_s[1:] != pred_s[:-1]))).any():
         raise UnchainedBlocks(
             "the bound needs chained block ids (equal ids meaning an equal prefix): this workload has an "
             "id after two different prefixes or twice in one request"
@@ -219,8 +221,8 @@ def _seen_run(ids: np.ndarray, lengths: np.ndarray, arrivals: np.ndarray) -> np.
 
 
 def _misses(h: np.ndarray, prompts: np.ndarray, block_sizes: np.ndarray) -> np.ndarray:
-    """m(i): prompt tokens request i computes itself, its seen run ``h`` capped at (prompt − 1) //
-    block size (the floors' misses)."""
+    """m(i): prompt tokens request i's first token needs computed after it arrives, its seen run
+    ``h`` capped at (prompt − 1) // block size (the floors' misses)."""
     cap = np.where(prompts > 0, (prompts - 1) // block_sizes, 0)
     return prompts - np.minimum(h, cap) * block_sizes
 

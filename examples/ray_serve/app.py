@@ -46,6 +46,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvroute.policies.registry import DEFAULT_POLICY
+
 WORDS = [
     "river",
     "stone",
@@ -295,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray")
     p.add_argument("--routers", default=None, help="comma-separated subset of kvroute,ray-default,ray-prefix")
     p.add_argument(
-        "--kvroute-policy", default="lmetric", help="the policy of kvroute's router (any registry name)"
+        "--kvroute-policy", default=DEFAULT_POLICY, help="the policy of kvroute's router (any registry name)"
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=1, help="runs per router, interleaved")

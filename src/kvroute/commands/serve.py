@@ -10,7 +10,7 @@ from typing import Any
 
 from kvroute.commands import port_number, seconds
 from kvroute.errors import UserError
-from kvroute.policies.registry import make_policy, policy_names
+from kvroute.policies.registry import DEFAULT_POLICY, make_policy, policy_names
 from kvroute.server.config import BackendSpec, RouterConfig, parse_backend_url
 
 HELP = "run the KV-cache-aware router (OpenAI-compatible proxy) in front of engines"
@@ -113,7 +113,7 @@ def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> N
             help="KV event endpoint of a DNS-discovered backend, e.g. 'tcp://{host}:5557' "
             "(default: approximate KV view)",
         )
-    p.add_argument("--policy", help=f"routing policy (default lmetric-kv): {', '.join(policy_names())}")
+    p.add_argument("--policy", help=f"routing policy (default {DEFAULT_POLICY}): {', '.join(policy_names())}")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, help="port to listen on (default 8080)")
     p.add_argument("--tokenizer", help="tokenizer.json or folder (default: bundled Qwen3)")

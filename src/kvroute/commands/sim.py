@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.errors import UserError
+from kvroute.policies.registry import DEFAULT_POLICY
 
 HELP = "simulate a cluster of engine models routed by a policy"
 
@@ -55,7 +56,11 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p)
     add_cluster_arguments(p)
-    p.add_argument("--policy", default="lmetric", help="routing policy (see the registry; default lmetric)")
+    p.add_argument(
+        "--policy",
+        default=DEFAULT_POLICY,
+        help=f"routing policy (see the registry; default {DEFAULT_POLICY})",
+    )
     p.add_argument("--json", metavar="FILE", help="write the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from kvroute.commands.serve import add_router_arguments, overrides, with_feature_flags
 from kvroute.errors import UserError
-from kvroute.policies.registry import make_policy
+from kvroute.policies.registry import DEFAULT_POLICY, make_policy
 
 if TYPE_CHECKING:
     from kvroute.integrations.vllm_launch import VllmProcess, VllmSettings
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--instances must be >= 1")
     if not args.time_scale > 0:
         raise UserError("--time-scale must be positive")
-    make_policy(args.policy or "lmetric-kv")
+    make_policy(args.policy or DEFAULT_POLICY)
     vllm = vllm_settings(args) if args.engine == "vllm" else None
 
     async def main() -> int:

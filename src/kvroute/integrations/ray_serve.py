@@ -90,6 +90,7 @@ from kvroute.features.classes import ClassConfig
 from kvroute.integrations.inflight import InFlight, Row, instance_view
 from kvroute.integrations.prompts import PromptChains, body_of
 from kvroute.integrations.ray_state import Load, Routed, SharedRoutingState
+from kvroute.policies.registry import DEFAULT_POLICY
 from kvroute.prepare.tokenize import RequestTokenizer
 from kvroute.routing.core import Decision, RouteRequest, RoutingCore, build_policy
 from kvroute.routing.kvview import KVView
@@ -132,7 +133,7 @@ class KVRouteRequestRouter(RequestRouter):
 
     def setup(
         self,
-        policy: str = "lmetric",
+        policy: str = DEFAULT_POLICY,
         features: Mapping[str, Any] | None = None,
         block_size: int = 16,
         tokenizer: str | None = None,

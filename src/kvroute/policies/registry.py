@@ -128,6 +128,10 @@ The peers' own LMetric variants, ported from their sources (each module's docstr
 ``vllm-router-smetric`` (vllm-project/router's ``smetric``).
 """
 
+DEFAULT_POLICY = "lmetric"
+"""The policy every driver uses when none is named (``sim``, ``compare``, ``serve``, ``up``, the Ray
+router, the main job): the one place that names it."""
+
 PEER_LMETRICS = ("aibrix-lmetric", "llm-d-lmetric", "dynamo-lmetric", "vllm-router-smetric")
 """The peers' LMetric variants, in the order the comparisons list them."""
 

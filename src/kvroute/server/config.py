@@ -55,6 +55,7 @@ from urllib.parse import urlparse
 
 from kvroute.errors import UserError
 from kvroute.features.settings import FeatureConfig
+from kvroute.policies.registry import DEFAULT_POLICY
 from kvroute.routing.queue import QueueConfig
 
 __all__ = ["BackendSpec", "RouterConfig", "parse_backend_url", "parse_peer_endpoint"]
@@ -152,7 +153,7 @@ class RouterConfig:
     """
 
     backends: tuple[BackendSpec, ...]
-    policy: str = "lmetric-kv"
+    policy: str = DEFAULT_POLICY
     host: str = "127.0.0.1"
     port: int = 8080
     tokenizer: str | None = None

@@ -305,3 +305,19 @@ async def test_a_101_from_the_engine_is_a_clean_502_and_the_backend_stays(tokeni
             assert router.state.backends[0].healthy
         finally:
             await router.stop()
+
+
+async def test_an_unknown_expectation_is_a_json_417_and_never_reaches_the_engine(
+    tokenizer: Tokenizer,
+) -> None:
+    async with recording_upstream() as up:
+        router = await start_router(tokenizer, up.url)
+        try:
+            body = {"model": "emu", "prompt": "hello", "max_tokens": 4}
+            raw = await raw_exchange(port_of(router), post(body, "Expect: 100-continue-please"))
+            status, interim, data = final_answer(raw)
+            assert (status, interim) == (417, [])
+            assert orjson.loads(data)["error"]["code"] == 417
+            assert not [r for r in up.requests if r.head.startswith(b"POST")]
+        finally:
+            await router.stop()

@@ -83,6 +83,21 @@ def forward_headers(request: web.Request) -> dict[str, str]:
     return out
 
 
+async def expect_continue(request: web.Request) -> web.Response | None:
+    """The router's own answer to a request's ``Expect`` header (aiohttp calls it before the
+    handler): ``100 Continue`` for ``100-continue`` on HTTP/1.1 (``Expect`` is never forwarded: an
+    engine's interim answer must not stand for its final one), a JSON 417 for any other
+    expectation."""
+    expect = request.headers.get("Expect", "")
+    if request.version < (1, 1):
+        return None  # HTTP/1.0 has no 100 Continue (RFC 9110 section 10.1.1): the body just follows
+    if expect.lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer's head has not been written yet
+        return None
+    return error_response(ApiError(417, "only 'Expect: 100-continue' is supported"))
+
+
 def usage_count(data: bytes, key: str, *path: str) -> int | None:
     """The non-negative integer ``usage[*path][key]`` from a JSON body or from the last SSE event of
     ``data`` (the tail of a stream) that names ``key``; None when absent or unparsable."""

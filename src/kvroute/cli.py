@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from kvroute.errors import UserError
+from kvroute.logtext import configure_logging
 
 # name on the command line -> module in kvroute.commands
 COMMANDS: dict[str, str] = {
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    configure_logging()
     try:
         args = build_parser().parse_args(argv)
         return int(args._run(args))

@@ -159,4 +159,5 @@ def test_bad_feature_flags_are_one_line_user_errors(
     rc = main(["sim", "--workload", "coder", "--duration", "5", "--instances", "4", "--no-progress", *flags])
     assert rc == 2
     err = capsys.readouterr().err
-    assert err.startswith("kvroute: error:") and "Traceback" not in err
+    assert err.startswith(("kvroute: error:", "usage: kvroute sim ")) and "Traceback" not in err
+    assert err.splitlines()[-1].startswith(("kvroute: error:", "kvroute sim: error:"))

@@ -9,6 +9,9 @@ from kvroute.errors import UserError
 
 HELP = "replay a trace or synthetic workload open-loop against an OpenAI-compatible URL, streaming"
 
+WAIT_READY_S = 120.0
+"""Default bound (seconds) on the wait for the server to be ready (``--wait-ready``)."""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvroute.commands.sim import add_workload_arguments
@@ -22,6 +25,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="tokenizer for the synthetic prompt text (default: bundled Qwen3)")
     p.add_argument(
         "--drain-timeout", type=float, default=600.0, help="seconds to wait for the last responses"
+    )
+    p.add_argument(
+        "--wait-ready",
+        type=float,
+        default=WAIT_READY_S,
+        metavar="SECONDS",
+        help="wait up to this long for the server's /health to answer 200 before the first request, "
+        f"e.g. while `kvroute up` starts its engines (default {WAIT_READY_S:g}; 0: check once)",
     )
     p.add_argument("--json", metavar="FILE", help="write the summary as JSON")
 
@@ -42,7 +53,7 @@ async def _server_info(url: str) -> tuple[str, int | None]:
 
 def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark described by ``args`` against ``url``; returns the summary dict."""
-    from kvroute.loadgen import BlockText, run_bench
+    from kvroute.loadgen import BlockText, run_bench, wait_ready
     from kvroute.server.run import run_loop
     from kvroute.tokenizer import load_tokenizer
     from kvroute.workloads import open_workload
@@ -54,6 +65,12 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     async def main() -> int:
+        try:
+            await wait_ready(url, args.wait_ready)
+        except TimeoutError:
+            raise UserError(
+                f"{url} did not answer ready (/health 200) within {args.wait_ready:g} s (--wait-ready)"
+            ) from None
         policy, instances = await _server_info(url)
         try:
             result = await run_bench(url, stream, text, args.model, args.drain_timeout)
@@ -75,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--url must start with http:// or https://")
     if args.trace is None and args.workload is None:
         raise UserError("give --trace FILE or --workload NAME")
+    if not args.wait_ready >= 0:
+        raise UserError("--wait-ready must be a number of seconds >= 0")
     out = bench(url, args)
     print(comparison_table([out]))
     print(

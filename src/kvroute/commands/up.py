@@ -158,11 +158,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvroute up: {args.instances} {what}, policy={cfg.policy}", file=sys.stderr)
             for b in backends:
                 print(f"  engine {b.url}  kv_events={b.kv_events or 'off'}", file=sys.stderr)
-            # a token made here is printed (it opens the page directly); a given one is not echoed
-            shown = token if made else "<admin token>"
-            page = (
-                f"{url}/dashboard#token={token}" if made else f"{url}/dashboard (asks for your admin token)"
-            )
+            # a token made here is printed to a terminal (it opens the page directly), never into a
+            # pipe or a file (a log collector); a given one is never echoed
+            show = made and sys.stderr.isatty()
+            shown = token if show else "<admin token>"
+            if show:
+                page = f"{url}/dashboard#token={token}"
+            elif made:
+                page = f"{url}/dashboard (token not shown off a terminal: pass --admin-token to choose one)"
+            else:
+                page = f"{url}/dashboard (asks for your admin token)"
             print(f"dashboard: {page}", file=sys.stderr)
             print(
                 "explanations: send 'x-kvroute-explain: 1' (or start with --explain); decisions: "

@@ -80,6 +80,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvroute.errors import UserError
+from kvroute.logtext import configure_logging
 from kvroute.server.app import RouterServer
 from kvroute.server.config import RouterConfig
 from kvroute.server.run import Reloader, run_loop, serve_until_signal
@@ -183,6 +184,7 @@ def run_worker(spec: WorkerSpec, lock: Any, ready: Connection) -> None:
     (drain) or until the supervisor is gone. Sends ``("ready", url)`` or ``("error", message)`` on
     ``ready`` once it listens or failed to start."""
     os.setpgid(0, 0)  # a terminal's Ctrl-C goes to the supervisor's group only; it forwards
+    configure_logging()  # a spawned process starts without the parent's handler
 
     table = LoadTable.attach(spec.table, spec.worker, lock)
     try:

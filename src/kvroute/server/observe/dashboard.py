@@ -27,8 +27,9 @@ import orjson
 from aiohttp import web
 
 from kvroute.server.observe.dashstate import dashboard_state
-from kvroute.server.observe.debug import bearer_guard, request_limit
+from kvroute.server.observe.debug import request_limit
 from kvroute.server.observe.observer import Observer
+from kvroute.server.wire.auth import bearer_guard
 
 __all__ = ["STATIC_FILES", "add_dashboard_routes"]
 

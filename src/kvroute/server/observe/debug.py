@@ -11,39 +11,15 @@ gets a 401 ``unauthorized``).
 
 from __future__ import annotations
 
-import hmac
-from collections.abc import Awaitable, Callable
-
 import orjson
 from aiohttp import web
 
 from kvroute.server.observe.decisions import DecisionLog, record_json, router_state
 from kvroute.server.state.router import RouterState
-from kvroute.server.wire.http import error_response
+from kvroute.server.wire.auth import bearer_guard
 from kvroute.server.wire.validate import ApiError
 
-__all__ = ["add_debug_routes", "bearer_guard", "request_limit"]
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def bearer_guard(token: str, handler: Handler) -> Handler:
-    """``handler`` behind ``Authorization: Bearer token`` (constant-time comparison; 401 otherwise;
-    an ApiError raised by ``handler`` becomes its JSON error)."""
-    expected = f"Bearer {token}".encode()
-
-    async def guarded(request: web.Request) -> web.StreamResponse:
-        given = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            resp = error_response(ApiError(401, "unauthorized", etype="unauthorized"))
-            resp.headers["WWW-Authenticate"] = "Bearer"
-            return resp
-        try:
-            return await handler(request)
-        except ApiError as err:
-            return error_response(err)
-
-    return guarded
+__all__ = ["add_debug_routes", "request_limit"]
 
 
 def request_limit(request: web.Request, default: int, most: int) -> int:

@@ -29,7 +29,6 @@ null), ``models`` (what it serves, declared or read from its /v1/models), ``wait
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 from urllib.parse import urlparse
 
@@ -41,12 +40,10 @@ from kvroute.server.state.backends import REMOVED, BackendState
 from kvroute.server.state.loadtable import url_digest
 from kvroute.server.sync.fleet import ADMIN, Fleet
 from kvroute.server.sync.journal import AdminJournal
-from kvroute.server.wire.http import error_response
+from kvroute.server.wire.auth import Handler, bearer_guard
 from kvroute.server.wire.validate import ApiError
 
 __all__ = ["add_admin_routes", "apply_journal_line", "backend_json", "spec_from_body"]
-
-_UNAUTHORIZED = ApiError(401, "unauthorized", etype="unauthorized")
 
 
 def add_admin_routes(
@@ -199,7 +196,7 @@ class _Admin:
     def __init__(self, fleet: Fleet, token: str, journal: AdminJournal | None) -> None:
         self.fleet = fleet
         self.journal = journal
-        self._expected = f"Bearer {token}".encode()
+        self._token = token
 
     def _record(self, op: str, url: str, spec: BackendSpec | None = None) -> None:
         if self.journal is not None:
@@ -213,20 +210,8 @@ class _Admin:
                     fields["engine"] = spec.engine
             self.journal.append(op, url, fields)
 
-    def guard(self, handler: Any) -> Any:
-        async def guarded(request: web.Request) -> web.StreamResponse:
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, self._expected):
-                resp = error_response(_UNAUTHORIZED)
-                resp.headers["WWW-Authenticate"] = "Bearer"
-                return resp
-            try:
-                result: web.StreamResponse = await handler(request)
-            except ApiError as err:
-                return error_response(err)
-            return result
-
-        return guarded
+    def guard(self, handler: Handler) -> Handler:
+        return bearer_guard(self._token, handler)
 
     def _find(self, request: web.Request) -> BackendState:
         """The newest backend whose id is the path's ``{id}``; 404 when none."""

@@ -16,7 +16,9 @@ Three places make such answers:
   :class:`_JsonRequestHandler`, whose ``handle_error`` answers the JSON error and logs one line.
 
 Logging: :class:`RateLimitedLog` writes at most one line per ``interval_s`` seconds per kind; the next
-line of that kind says how many were suppressed meanwhile.
+line of that kind says how many were suppressed meanwhile. Its lines quote the client (paths, parser
+messages): each is escaped (:func:`kvroute.logtext.escape`), so a ``%0a`` in a path forges no line, and a
+parser's message that quotes a credential header (``Authorization: …``) has its value redacted.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
+from kvroute.logtext import escape, redact
 from kvroute.server.wire.validate import ApiError, error_body
 
 __all__ = ["JsonErrorRunner", "RateLimitedLog", "http_error", "json_errors"]
@@ -78,6 +81,7 @@ class RateLimitedLog:
             self._last[kind] = now
             n = self._suppressed.pop(kind, 0)
             self.lines += 1
+        message = escape(message)
         if n:
             message = f"{message} ({n} more suppressed in the last {self.interval_s:g} s)"
         self.logger.log(level, "%s", message, exc_info=exc)
@@ -170,7 +174,8 @@ class _JsonRequestHandler(RequestHandler):
         message: str | None = None,
     ) -> web.StreamResponse:
         detail = message or (str(exc) if exc is not None else "") or HTTPStatus(status).phrase
-        detail = " ".join(detail.split())[:200]  # one line, bounded: it may echo the client's bytes
+        # one line, bounded, no credential: it may quote the client's bytes (a bad header line)
+        detail = escape(redact(detail), 200)
         if isinstance(exc, ConnectionError):  # the client went away mid-answer: not an error of ours
             self.limiter.emit("gone", f"client {request.remote} went away: {detail}", logging.DEBUG)
         elif status >= 500 and exc is not None:

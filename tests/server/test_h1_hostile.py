@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
@@ -244,3 +247,70 @@ async def test_pooled_connections_above_descriptor_1023_are_reused(transport: H1
     finally:
         for s in held:
             s.close()
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """(server context, client context trusting it): a self-signed certificate for 127.0.0.1."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command")
+    d = tmp_path_factory.mktemp("tls")
+    key, cert = d / "key.pem", d / "cert.pem"
+    subprocess.run(
+        [
+            *(
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                "/CN=127.0.0.1",
+            ),
+            *("-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(cert, key)
+    return server, ssl.create_default_context(cafile=str(cert))
+
+
+async def test_https_backends_get_the_same_guarantees(tls: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    """https goes through H1Transport too (aiohttp's client served a stray response that arrived
+    while the connection idled in the pool to the next request)."""
+    server, client = tls
+    t = H1Transport(connect_timeout_s=2.0, read_timeout_s=3.0, ssl_context=client)
+    late = b'HTTP/1.1 200 OK\r\nContent-Length: 13\r\n\r\n{"id":"evil"}'
+    try:
+        async with RawUpstream(
+            first_only([b"HTTP/1.1 100 Continue\r\n\r\n", 0.02, None, 0.05, late]), server
+        ) as up:
+            assert up.url.startswith("https://")
+            assert await call(t, up.url, "hostile") == (200, own("hostile"))
+            await asyncio.sleep(0.3)
+            await then_ordinary(t, up.url)
+            assert up.connections == 2  # the stray bytes closed the first; the second is kept alive
+    finally:
+        await t.close()
+
+
+async def test_https_certificate_is_verified(tls: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    server, _ = tls
+    t = H1Transport(connect_timeout_s=2.0, read_timeout_s=3.0)  # the system's CAs: self-signed is refused
+    try:
+        async with RawUpstream(lambda req: [answer(req)], server) as up:
+            with pytest.raises(UpstreamConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+                await call(t, up.url, "x")
+    finally:
+        await t.close()
+
+
+async def test_a_base_url_path_prefixes_every_request(transport: H1Transport) -> None:
+    async with RawUpstream(lambda req: [answer(req)]) as up:
+        assert await call(transport, up.url + "/engine/a/", "p1") == (200, own("p1"))
+        assert up.requests[0].head.startswith(b"POST /engine/a/v1/completions HTTP/1.1\r\n")

@@ -44,7 +44,10 @@ Behaviour (the :class:`~kvroute.server.wire.transport.Transport` contract):
   vLLM-style engine takes as a cancelled request;
 - reading pauses when more than ``_HIGH_WATER`` bytes are buffered (a slow client), so a stream is
   never buffered without bound;
-- URLs other than ``http://host[:port]`` (e.g. https) go through :class:`AiohttpTransport`.
+- ``http://`` and ``https://`` base URLs (with a path prefix or not) are served here (https with
+  ``ssl_context``, else the system's default verification); the pool's check for waiting bytes
+  before reuse is skipped on TLS connections (the socket may hold TLS records that carry no data),
+  the rest holds. Other URLs go to :class:`AiohttpTransport`, which reports them.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import select
+import ssl
 from collections.abc import AsyncIterator, Mapping
 from urllib.parse import urlsplit
 
@@ -133,8 +137,8 @@ class _Conn(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's TCPTransport is not a subclass
         sock = transport.get_extra_info("socket")
-        if sock is not None:
-            self.fd = sock.fileno()
+        if sock is not None and transport.get_extra_info("ssl_object") is None:
+            self.fd = sock.fileno()  # not with TLS: the socket may hold TLS records that are no data
         self.live.add(self)
 
     def data_received(self, data: bytes) -> None:
@@ -343,11 +347,14 @@ class _H1Response:
 class _Pool:
     """Idle keep-alive connections to one ``host:port`` (most recently used first out)."""
 
-    __slots__ = ("host", "hostport", "idle", "live", "max_idle", "port")
+    __slots__ = ("base", "host", "hostport", "idle", "live", "max_idle", "port", "prefix", "tls")
 
-    def __init__(self, host: str, port: int, max_idle: int) -> None:
+    def __init__(self, host: str, port: int, max_idle: int, tls: bool = False, prefix: str = "") -> None:
         self.host = host
         self.port = port
+        self.tls = tls
+        self.prefix = prefix  # the base URL's path, prepended to every request's
+        self.base = f"{'https' if tls else 'http'}://{host}:{port}{prefix}"
         self.hostport = f"{host}:{port}".encode("latin-1")
         self.idle: list[_Conn] = []
         self.live: set[_Conn] = set()  # every open connection, idle or carrying a request
@@ -379,7 +386,7 @@ class _Pool:
 
 class H1Transport:
     """The router's default transport (see the module docstring). Create and use it inside one
-    event loop; ``close()`` closes the idle connections (and the https fallback's session)."""
+    event loop; ``close()`` closes the idle connections (and the fallback's session)."""
 
     def __init__(
         self,
@@ -387,11 +394,13 @@ class H1Transport:
         read_timeout_s: float | None = 600.0,
         max_idle: int = 256,
         fallback: Transport | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._connect_timeout_s = connect_timeout_s
+        self._ssl = ssl_context  # for https backends (None: the system's default, made when needed)
         self._read_timeout_s = read_timeout_s
         self._max_idle = max_idle
-        self._pools: dict[str, _Pool | None] = {}  # base URL -> pool (None: not plain http)
+        self._pools: dict[str, _Pool | None] = {}  # base URL -> pool (None: not http or https)
         self._fallback = fallback
         self._fallback_args = (connect_timeout_s, read_timeout_s or 600.0)
 
@@ -402,13 +411,14 @@ class H1Transport:
             pass
         parts = urlsplit(base_url)
         pool = None
-        if parts.scheme == "http" and parts.hostname and not parts.path.strip("/"):
+        tls = parts.scheme == "https"
+        if (tls or parts.scheme == "http") and parts.hostname and not parts.query and not parts.fragment:
             try:
-                port = parts.port or 80
+                port = parts.port or (443 if tls else 80)
             except ValueError:  # a malformed port: let aiohttp report it
                 port = -1
             if port > 0:
-                pool = _Pool(parts.hostname, port, self._max_idle)
+                pool = _Pool(parts.hostname, port, self._max_idle, tls, parts.path.rstrip("/"))
         self._pools[base_url] = pool
         return pool
 
@@ -426,7 +436,7 @@ class H1Transport:
             if self._fallback is None:
                 self._fallback = AiohttpTransport(*self._fallback_args)
             return await self._fallback.send(base_url, method, path, body, headers, timeout_s)
-        request = _request_bytes(method, path, pool.hostport, body, headers)
+        request = _request_bytes(method, pool.prefix + path, pool.hostport, body, headers)
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
         conn = pool.get()
@@ -445,11 +455,18 @@ class H1Transport:
         limit = self._connect_timeout_s
         if deadline is not None:
             limit = min(limit, max(deadline - loop.time(), 0.0))
+        context = None
+        if pool.tls:
+            if self._ssl is None:
+                self._ssl = ssl.create_default_context()
+            context = self._ssl
         try:
             async with asyncio.timeout(limit):
-                _, conn = await loop.create_connection(lambda: _Conn(loop, pool.live), pool.host, pool.port)
-        except (TimeoutError, OSError) as exc:
-            raise UpstreamConnectError(f"http://{pool.host}:{pool.port}: {exc!r}") from None
+                _, conn = await loop.create_connection(
+                    lambda: _Conn(loop, pool.live), pool.host, pool.port, ssl=context
+                )
+        except (TimeoutError, OSError) as exc:  # ssl.SSLError is an OSError
+            raise UpstreamConnectError(f"{pool.base}: {exc!r}") from None
         return conn
 
     async def _exchange(
@@ -471,10 +488,10 @@ class H1Transport:
         except TimeoutError:
             conn.timed_out = True
             conn.close()
-            raise UpstreamConnectError(f"http://{pool.host}:{pool.port}: no response in time") from None
+            raise UpstreamConnectError(f"{pool.base}: no response in time") from None
         except UpstreamBrokenError as exc:
             conn.close()
-            raise UpstreamConnectError(f"http://{pool.host}:{pool.port}: {exc}") from None
+            raise UpstreamConnectError(f"{pool.base}: {exc}") from None
         except BaseException:  # cancelled: the request is in flight, so the connection is unusable
             conn.close()
             raise

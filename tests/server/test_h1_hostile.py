@@ -151,14 +151,18 @@ async def test_bytes_arriving_while_idle_in_the_pool_close_the_connection(
 
 
 async def test_late_bytes_not_yet_read_by_the_loop_are_seen_before_reuse(transport: H1Transport) -> None:
-    """Bytes that reached the socket after the loop last read it: the pool checks before reuse."""
-    async with RawUpstream(first_only([None, 0.05, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nno"])) as up:
+    """Bytes that reached the socket but not the protocol yet: the pool checks before reuse."""
+    late = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nno"
+    async with RawUpstream(first_only([None, 0.1, late])) as up:
         assert await call(transport, up.url, "hostile") == (200, own("hostile"))
-        await asyncio.to_thread(lambda: __import__("time").sleep(0.3))  # the loop blocked: no read
         pool = next(p for p in transport._pools.values() if p is not None)
         conn = pool.idle[-1]
-        conn.transport.pause_reading()  # type: ignore[union-attr]  # nothing reads them until reuse
+        assert conn.transport is not None
+        conn.transport.pause_reading()  # nothing reads the late bytes: they wait in the socket
+        await asyncio.sleep(0.4)
+        assert not conn.closed
         assert pool.get() is None  # the waiting bytes were seen: closed, not handed out
+        assert conn.closed
         await then_ordinary(transport, up.url)
 
 

@@ -3,13 +3,15 @@
 Each request it reads (head up to the blank line, then ``Content-Length`` bytes) is answered by a
 script: a sequence of steps run in order on that connection, each ``bytes`` (written and drained),
 a ``float`` (seconds to sleep) or ``CLOSE`` (close the connection). Whatever the script does, the
-server then goes on reading the next request on the same connection (until it is closed).
+server then goes on reading the next request on the same connection (until it is closed). With
+``tls`` (a server context) it speaks HTTPS.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -52,8 +54,11 @@ def ok(body: bytes, ctype: str = "application/json") -> bytes:
 class RawUpstream:
     """The server: ``script(request)`` gives the steps answering ``request``."""
 
-    def __init__(self, script: Callable[[RawRequest], Sequence[Step]]) -> None:
+    def __init__(
+        self, script: Callable[[RawRequest], Sequence[Step]], tls: ssl.SSLContext | None = None
+    ) -> None:
         self.script = script
+        self.tls = tls
         self.requests: list[RawRequest] = []
         self.url = ""
         self._server: asyncio.Server | None = None
@@ -63,8 +68,8 @@ class RawUpstream:
 
     async def __aenter__(self) -> RawUpstream:
         port = free_port()
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", port)
-        self.url = f"http://127.0.0.1:{port}"
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", port, ssl=self.tls)
+        self.url = f"{'https' if self.tls else 'http'}://127.0.0.1:{port}"
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -238,9 +238,12 @@ async def test_large_body_survives_backpressure(transport: H1Transport) -> None:
     assert b"".join(parts) == payload
 
 
-async def test_non_http_urls_use_the_aiohttp_fallback(transport: H1Transport) -> None:
+@pytest.mark.parametrize("scheme", ["https", "ftp"])  # ftp: through the aiohttp fallback
+async def test_unreachable_or_unsupported_urls_are_connect_errors(
+    transport: H1Transport, scheme: str
+) -> None:
     with pytest.raises(UpstreamConnectError):  # same error contract through the fallback
-        await transport.send(f"https://127.0.0.1:{free_port()}", "GET", "/health", timeout_s=1.0)
+        await transport.send(f"{scheme}://127.0.0.1:{free_port()}", "GET", "/health", timeout_s=1.0)
 
 
 async def test_close_closes_connections_in_use() -> None:

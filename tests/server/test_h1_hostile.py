@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
@@ -148,14 +151,18 @@ async def test_bytes_arriving_while_idle_in_the_pool_close_the_connection(
 
 
 async def test_late_bytes_not_yet_read_by_the_loop_are_seen_before_reuse(transport: H1Transport) -> None:
-    """Bytes that reached the socket after the loop last read it: the pool checks before reuse."""
-    async with RawUpstream(first_only([None, 0.05, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nno"])) as up:
+    """Bytes that reached the socket but not the protocol yet: the pool checks before reuse."""
+    late = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nno"
+    async with RawUpstream(first_only([None, 0.1, late])) as up:
         assert await call(transport, up.url, "hostile") == (200, own("hostile"))
-        await asyncio.to_thread(lambda: __import__("time").sleep(0.3))  # the loop blocked: no read
         pool = next(p for p in transport._pools.values() if p is not None)
         conn = pool.idle[-1]
-        conn.transport.pause_reading()  # type: ignore[union-attr]  # nothing reads them until reuse
+        assert conn.transport is not None
+        conn.transport.pause_reading()  # nothing reads the late bytes: they wait in the socket
+        await asyncio.sleep(0.4)
+        assert not conn.closed
         assert pool.get() is None  # the waiting bytes were seen: closed, not handed out
+        assert conn.closed
         await then_ordinary(transport, up.url)
 
 
@@ -225,3 +232,89 @@ async def test_the_pd_relay_never_relays_a_101(transport: H1Transport) -> None:
         resp = await transport.send(up.url, "POST", "/v1/completions", b"{}", {REQUEST_ID: "hostile"})
         with pytest.raises(LegFailed, match="101"):
             await relay_whole(resp, None, {})
+
+
+async def test_pooled_connections_above_descriptor_1023_are_reused(transport: H1Transport) -> None:
+    """The reuse check works for any descriptor number (``select.select`` fails above 1023)."""
+    import resource
+    import socket
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        pytest.skip(f"needs 1200 file descriptors, the limit is {soft}")
+    held = [socket.socket() for _ in range(1100)]  # push the next descriptors above 1023
+    try:
+        async with RawUpstream(lambda req: [answer(req)]) as up:
+            for i in range(3):
+                assert await call(transport, up.url, f"r{i}") == (200, own(f"r{i}"))
+            assert up.connections == 1
+    finally:
+        for s in held:
+            s.close()
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """(server context, client context trusting it): a self-signed certificate for 127.0.0.1."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command")
+    d = tmp_path_factory.mktemp("tls")
+    key, cert = d / "key.pem", d / "cert.pem"
+    subprocess.run(
+        [
+            *(
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                "/CN=127.0.0.1",
+            ),
+            *("-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(cert, key)
+    return server, ssl.create_default_context(cafile=str(cert))
+
+
+async def test_https_backends_get_the_same_guarantees(tls: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    """https goes through H1Transport too (aiohttp's client served a stray response that arrived
+    while the connection idled in the pool to the next request)."""
+    server, client = tls
+    t = H1Transport(connect_timeout_s=2.0, read_timeout_s=3.0, ssl_context=client)
+    late = b'HTTP/1.1 200 OK\r\nContent-Length: 13\r\n\r\n{"id":"evil"}'
+    try:
+        async with RawUpstream(
+            first_only([b"HTTP/1.1 100 Continue\r\n\r\n", 0.02, None, 0.05, late]), server
+        ) as up:
+            assert up.url.startswith("https://")
+            assert await call(t, up.url, "hostile") == (200, own("hostile"))
+            await asyncio.sleep(0.3)
+            await then_ordinary(t, up.url)
+            assert up.connections == 2  # the stray bytes closed the first; the second is kept alive
+    finally:
+        await t.close()
+
+
+async def test_https_certificate_is_verified(tls: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    server, _ = tls
+    t = H1Transport(connect_timeout_s=2.0, read_timeout_s=3.0)  # the system's CAs: self-signed is refused
+    try:
+        async with RawUpstream(lambda req: [answer(req)], server) as up:
+            with pytest.raises(UpstreamConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+                await call(t, up.url, "x")
+    finally:
+        await t.close()
+
+
+async def test_a_base_url_path_prefixes_every_request(transport: H1Transport) -> None:
+    async with RawUpstream(lambda req: [answer(req)]) as up:
+        assert await call(transport, up.url + "/engine/a/", "p1") == (200, own("p1"))
+        assert up.requests[0].head.startswith(b"POST /engine/a/v1/completions HTTP/1.1\r\n")

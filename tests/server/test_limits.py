@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from kvroute.blocks import hash_blocks
 from kvroute.emulator.server import EmulatorServer, EmulatorSettings
@@ -153,6 +154,32 @@ async def test_half_sent_body_is_answered_408_and_closed(make_router: Make) -> N
     assert server.proxy.inflight == 0
 
 
+class BigStream(FakeEngine):
+    """A :class:`FakeEngine` whose streams are 64 KiB SSE events back to back (a client that does
+    not read fills every buffer on the way within a few hundred of them)."""
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests += 1
+        if not body.get("stream"):
+            return await super().generate(request)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        event = (
+            b"data: " + orjson.dumps({"id": "1", "choices": [{"index": 0, "text": "x" * 65536}]}) + b"\n\n"
+        )
+        self.active += 1
+        try:
+            while True:
+                await resp.write(event)
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.active -= 1
+
+
 def counters_zero(router: RouterServer) -> bool:
     return all(b.waiting == 0 and b.running == 0 and b.queued_prefill == 0 for b in router.state.backends)
 
@@ -168,7 +195,7 @@ async def until(cond: Callable[[], bool]) -> bool:
 async def test_client_that_stops_reading_its_stream_cancels_the_engine_and_releases_the_lease(
     make_router: Make,
 ) -> None:
-    engine = FakeEngine(delay_s=0.0)
+    engine = BigStream()
     server, port = await make_router(engine=engine, write_timeout_s=0.3)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills fast: then it reads nothing
@@ -279,3 +306,73 @@ async def test_limit_flags_and_yaml_keys(tmp_path: Any) -> None:
     f.write_text("backends: [http://127.0.0.1:1]\nmax_connections: 0\n")
     with pytest.raises(UserError, match="max_connections"):
         load_config_file(f).validate()
+
+
+@pytest.fixture
+async def pd_router(tokenizer: Tokenizer) -> AsyncIterator[tuple[Any, BigStream, int]]:
+    """A P/D router (no prefill instance: the decode instance prefills) before a FakeEngine, with
+    small limits; (router, engine, port)."""
+    from kvroute.engine.transfer import TransferModel
+    from kvroute.server.pd import PDBackend, PDConfig, PDServer
+    from kvroute.server.wire.limits import ClientLimits
+
+    engine = BigStream()
+    url = await engine.start()
+    limits = ClientLimits(max_connections=2, header_timeout_s=0.3, body_timeout_s=0.3, write_timeout_s=0.3)
+    cfg = PDConfig((), (PDBackend(url),), limits=limits, max_prompt_tokens=1000)
+    cost = costmod.get_profile(costmod.DEFAULT_PROFILE).cost
+    router = PDServer(cfg, tokenizer, cost, TransferModel(100_000.0, 100e9))
+    port = await router.start("127.0.0.1", 0)
+    try:
+        yield router, engine, port
+    finally:
+        await router.stop()
+        await engine.stop()
+
+
+async def test_pd_mode_keeps_the_same_limits(pd_router: tuple[Any, BigStream, int]) -> None:
+    _, engine, port = pd_router
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)  # a partial head: 408
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    status, _, _ = await read_answer(reader)
+    assert status == 408 and await closed(reader)
+    writer.close()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)  # a half-sent body: 408
+    writer.write(post("/v1/completions", b'{"prompt": "hello", "max_tokens": 1}')[:-5])
+    status, _, _ = await read_answer(reader)
+    assert status == 408 and await closed(reader)
+    writer.close()
+    body = {"prompt": list(range(1001))}  # over the prompt cap: 400, never forwarded
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r,
+    ):
+        assert r.status == 400 and (await r.json())["error"]["code"] == "context_length_exceeded"
+    assert engine.requests == 0
+    held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]  # the cap: 503
+    await asyncio.sleep(0.05)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    status, _, _ = await read_answer(reader)
+    assert status == 503
+    writer.close()
+    for _, w in held:
+        w.close()
+
+
+async def test_pd_mode_client_that_stops_reading_cancels_the_decode(
+    pd_router: tuple[Any, BigStream, int],
+) -> None:
+    router, engine, port = pd_router
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    _, writer = await asyncio.open_connection(sock=sock)
+    writer.write(
+        post("/v1/completions", orjson.dumps({"prompt": "hi", "max_tokens": 10_000_000, "stream": True}))
+    )
+    assert await until(lambda: engine.active == 1)
+    assert await until(lambda: engine.cancelled == 1 and engine.active == 0)
+    assert await until(lambda: not router.pools["decode"][0].inflight)  # the lease is released
+    writer.close()

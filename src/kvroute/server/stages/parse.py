@@ -102,6 +102,12 @@ class BodyParser:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvroute-parse")
         return self._pool
 
+    def warm(self) -> None:
+        """Start the worker process now (``"process"`` mode), so that the first large body does not
+        wait for it to start (a spawned interpreter: about a second)."""
+        if self.mode == "process" and self._pool is None:
+            self._executor().submit(os.getpid)
+
     async def parse(
         self, raw: bytes, chat: bool, cap: int, block_size: int, adapters: Callable[[], frozenset[str]]
     ) -> Parsed:

@@ -12,7 +12,7 @@ keep-alive connection and a write to the client may take. One :class:`ClientLimi
   ``keepalive_timeout_s`` seconds after it opened or after its last response (aiohttp's own timer,
   whose default would be 3,630 s).
 - **body**: :func:`read_body_within` reads a request body within ``body_timeout_s`` seconds of its
-  head, else ApiError(408) whose answer closes the connection.
+  head, else ApiError(408) whose answer closes the connection (after at most :data:`LINGER_S`).
 - **writes**: :func:`write_within` gives a write to the client ``write_timeout_s`` seconds; a client
   that stops reading has its connection aborted and the write raises ``ConnectionResetError``, which
   the relays treat as a client that went away (the engine's request is aborted, the lease released).
@@ -41,7 +41,11 @@ from kvroute.server.wire.httperrors import (
 )
 from kvroute.server.wire.validate import ApiError, error_body
 
-__all__ = ["ClientLimits", "LimitedRunner", "read_body_within", "write_within"]
+__all__ = ["LINGER_S", "ClientLimits", "LimitedRunner", "read_body_within", "write_within"]
+
+LINGER_S = 2.0
+"""Seconds the rest of an answered request's unread body is still read (and dropped) before its
+connection closes, so that the client sees the answer rather than a reset (aiohttp's default: 10)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,8 +139,9 @@ class _LimitedServer(_JsonServer):
     limits: ClientLimits
 
     def __call__(self) -> RequestHandler:
-        handler = _LimitedHandler(self, loop=self._loop, **self._kwargs)
-        handler.limiter = self.limiter
+        handler = super().__call__()
+        handler.__class__ = _LimitedHandler  # same state; it adds behaviour only
+        assert isinstance(handler, _LimitedHandler)
         handler.limits = self.limits
         return handler
 
@@ -147,6 +152,7 @@ class LimitedRunner(JsonErrorRunner):
 
     def __init__(self, app: web.Application, limits: ClientLimits, *args: Any, **kwargs: Any) -> None:
         kwargs["keepalive_timeout"] = limits.keepalive_timeout_s
+        kwargs["lingering_time"] = min(LINGER_S, limits.body_timeout_s)
         super().__init__(app, *args, **kwargs)
         self.limits = limits
 
@@ -169,27 +175,15 @@ async def read_body_within(request: web.Request, limit: int, timeout_s: float) -
         raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s", close=True) from None
 
 
-async def write_within(out: web.StreamResponse, request: web.Request, data: bytes, timeout_s: float) -> None:
-    """``out.write(data)``, given ``timeout_s`` seconds (the write waits only while the client's
-    socket buffers are full: it stopped reading). On timeout the client's connection is aborted and
-    ``ConnectionResetError`` raised."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            await out.write(data)
-    except TimeoutError:
-        _abort(request)
-        raise ConnectionResetError(
-            f"the client read nothing for {timeout_s:g} s: connection closed"
-        ) from None
-
-
-async def write_eof_within(
-    out: web.StreamResponse, request: web.Request, data: bytes, timeout_s: float
+async def write_within(
+    out: web.StreamResponse, request: web.Request, data: bytes, timeout_s: float, eof: bool = False
 ) -> None:
-    """``out.write_eof(data)`` under :func:`write_within`'s rule."""
+    """``out.write(data)`` (``eof``: ``out.write_eof(data)``), given ``timeout_s`` seconds (a write
+    waits only while the client's socket buffers are full: it stopped reading). On timeout the
+    client's connection is aborted and ``ConnectionResetError`` raised."""
     try:
         async with asyncio.timeout(timeout_s):
-            await out.write_eof(data)
+            await (out.write_eof(data) if eof else out.write(data))
     except TimeoutError:
         _abort(request)
         raise ConnectionResetError(

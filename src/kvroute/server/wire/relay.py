@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from kvroute.server.wire.http import error_response
-from kvroute.server.wire.limits import write_eof_within, write_within
+from kvroute.server.wire.limits import write_within
 from kvroute.server.wire.transport import UpstreamBrokenError, UpstreamResponse
 from kvroute.server.wire.validate import ApiError, error_body
 
@@ -237,10 +237,8 @@ async def _write(
         if prepare:
             await out.prepare(request)
         if timeout_s is not None:
-            if last:
-                await write_eof_within(out, request, data, timeout_s)
-            elif data:
-                await write_within(out, request, data, timeout_s)
+            if last or data:
+                await write_within(out, request, data, timeout_s, eof=last)
         elif last:
             await out.write_eof(data)
         elif data:

@@ -6,7 +6,9 @@ durations and 16 instances) and for the preset's Mooncake conversation trace run
 infinite-cache oracle's hit rate, the mean TTFT lower bound) and with KV capacity (the pooled
 cache's hit-rate ceiling and its mean TTFT lower bound), and ``lmetric``'s simulated mean TTFT and
 KV hit rate on the same workload; at the profile's KV pool and at an eighth of it (where the pools
-bind). Writes ``benchmarks/results/bound_kv.json``::
+bind). And the bound's own cost on long contexts: 600 requests of 40 conversations whose contexts
+grow to 200,000 tokens (16-token blocks, 3 million block ids), 8 instances (no simulation there).
+Writes ``benchmarks/results/bound_kv.json``::
 
     python -m benchmarks.study_bound --trace ../shared/traces/mooncake/conversation_trace.jsonl
 """
@@ -15,13 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from dataclasses import replace
 from typing import Any
 
 from benchmarks.common import ROOT, SHARED, write
-from kvroute.sim.bound import spec_bound, spec_engine
+from kvroute.sim.bound import spec_bound, spec_engine, workload_bound
 from kvroute.sim.runner import RunSpec, load_profile, run_spec
+from kvroute.workloads.request import Request
 
 PRESET = ROOT / "docs" / "results" / "paper" / "paper.json"
 POLICY = "lmetric"
@@ -97,6 +101,44 @@ def measure(name: str, spec: RunSpec) -> dict[str, Any]:
     }
 
 
+def long_contexts(seed: int = 0) -> list[Request]:
+    """40 conversations, 600 turns at 2 per second: each turn adds 2,000–20,000 tokens to its
+    conversation's context, which starts over past 200,000 tokens (16-token blocks)."""
+    rng = random.Random(seed)
+    contexts: list[list[int]] = [[] for _ in range(40)]
+    reqs, next_id, t = [], 1, 0.0
+    for i in range(600):
+        c = rng.randrange(len(contexts))
+        grow = rng.randint(2_000, 20_000) // 16
+        if (len(contexts[c]) + grow) * 16 > 200_000:
+            contexts[c] = []
+        contexts[c] = contexts[c] + list(range(next_id, next_id + grow))
+        next_id += grow
+        t += rng.expovariate(2.0)
+        reqs.append(Request(i, t, 16 * len(contexts[c]) + 7, 200, tuple(contexts[c]), 16))
+    return reqs
+
+
+def long_context_cost() -> dict[str, Any]:
+    """The bound's terms and wall time on :func:`long_contexts` (8 instances, the default profile)."""
+    reqs = long_contexts()
+    engine = spec_engine(RunSpec())
+    t0 = time.perf_counter()
+    b = workload_bound(reqs, engine, 8)
+    return {
+        "workload": "long contexts (600 requests, up to 200,000 tokens, 16-token blocks)",
+        "instances": 8,
+        "requests": b.requests,
+        "block_ids": sum(len(r.block_ids) for r in reqs),
+        "pooled_cache_blocks": b.kv_capacity_blocks,
+        "oracle_kv_hit_rate": b.oracle_hit_rate,
+        "kv_hit_rate_ceiling": b.kv_hit_rate_ceiling,
+        "ttft_mean_bound_any_order_ms": b.ttft_mean_any_order_ms,
+        "ttft_mean_bound_ms": b.ttft_mean_bound_ms,
+        "bound_seconds": time.perf_counter() - t0,
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default = SHARED / "traces" / "mooncake" / "conversation_trace.jsonl"
@@ -120,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
             "command": "python -m benchmarks.study_bound" + (f" --trace {args.trace}" if args.trace else ""),
             "policy": POLICY,
             "rows": rows,
+            "long_contexts": long_context_cost(),
         },
     )
 

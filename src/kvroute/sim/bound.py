@@ -181,7 +181,7 @@ def ttft_floors_s(misses: np.ndarray, engine: Engine) -> np.ndarray:
     budget = len(sigma)
     exact = _EXACT_CHUNKS * budget
     upto = int(min(max(int(m.max()), budget), exact))
-    f = _prefill_floor_table(engine, upto)
+    f = _prefill_floor_table(engine, exact)[: upto + 1]  # one table per engine (a prefix is exact)
     inside = np.minimum(m, upto)
     floors = f[inside]
     over = m > upto
@@ -243,6 +243,15 @@ def _works(h: np.ndarray, prompts: np.ndarray, block_sizes: np.ndarray) -> np.nd
     """w(i): the prefill work charged to request i (its first-held blocks and its unhashed tail,
     no recompute: the throughput terms' and the hit-rate ceiling's misses, module docstring)."""
     return np.maximum(prompts - h * block_sizes, 0)
+
+
+def _extend_ids(ids: array[int], block_ids: Sequence[int]) -> None:
+    """Append ``block_ids`` to ``ids`` as unsigned 64-bit (negative ids as their two's complement,
+    as ``b & _MASK``): in C when they fit a signed 64-bit int, else one by one."""
+    try:
+        ids.frombytes(array("q", block_ids).tobytes())
+    except OverflowError:
+        ids.extend(b & _MASK for b in block_ids)
 
 
 def _columns(reqs: Sequence[Request]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -552,7 +561,7 @@ def workload_bound(requests: Iterable[Request], engine: Engine, instances: int =
     outputs: array[int] = array("q")
     arrivals: array[float] = array("d")
     for r in requests:
-        ids.extend(b & _MASK for b in r.block_ids)
+        _extend_ids(ids, r.block_ids)
         lengths.append(len(r.block_ids))
         prompts.append(r.prompt_len)
         sizes.append(r.block_size)

@@ -65,6 +65,8 @@ def summarize(w: dict[str, Any]) -> dict[str, Any]:
     light = _runs_at(w, min(w["rates"]))
     caps = _capacity(w)
     bound = (w.get("bound") or {}).get("capacity")
+    bound_rates = (w.get("bound") or {}).get("rates") or [{}]
+    ttft_bound = bound_rates[0].get("ttft_mean_ms")
     ref, ref_cap = at.get(REFERENCE, {}), caps.get(REFERENCE)
     rows = []
     best = w.get("best_lambda")
@@ -74,10 +76,12 @@ def summarize(w: dict[str, Any]) -> dict[str, Any]:
         mean = _paired(by_seed, ref, "mean")
         p99 = _paired(by_seed, ref, "p99")
         cap = caps.get(arm)
+        ttft_mean = sum(r["ttft_ms"]["mean"] for r in by_seed.values()) / len(by_seed)
         rows.append(
             {
                 "arm": arm,
-                "ttft_mean_ms": sum(r["ttft_ms"]["mean"] for r in by_seed.values()) / len(by_seed),
+                "ttft_mean_ms": ttft_mean,
+                "ttft_of_bound": ttft_bound / ttft_mean if ttft_bound and ttft_mean else None,
                 "ttft_p99_ms": sum(r["ttft_ms"]["p99"] for r in by_seed.values()) / len(by_seed),
                 "vs_lmetric_mean": [mean.mean, mean.half, mean.n],
                 "vs_lmetric_p99": [p99.mean, p99.half, p99.n],
@@ -110,6 +114,8 @@ def summarize(w: dict[str, Any]) -> dict[str, Any]:
         "name": w["name"],
         "default_rate": w["default_rate"],
         "bound": bound,
+        "ttft_bound_ms": ttft_bound,
+        "kv_hit_rate_ceiling": bound_rates[0].get("kv_hit_rate_ceiling"),
         "rows": rows,
         "queue": queue,
     }
@@ -128,16 +134,26 @@ def markdown(summaries: Sequence[dict[str, Any]], source: str) -> str:
         "Mean TTFT at the default load over the preset's seeds; the difference is the other arm's, paired "
         "by seed, with its 95 % interval: *lmetric leads* (the arm is slower) or *lmetric loses* only "
         "when the interval excludes 0, else *tie*. Capacity at the SLO is seed 0's (resolution ×1.09), "
-        "as a ratio to `lmetric`'s and as a fraction of the bound no router beats.",
+        "as a ratio to `lmetric`'s and as a fraction of the bound no router beats; *TTFT of the bound* is "
+        "the bound's mean TTFT over the arm's (1 would be at the bound; the bound counts KV capacity, "
+        "docs/results/bound.md).",
     ]
     for s in summaries:
         out += [
             "",
             f"## {s['name']} (default load ×{s['default_rate']:.3g}; capacity bound "
-            f"{'×' + format(s['bound'], '.3g') if s['bound'] else 'not reached'})",
+            f"{'×' + format(s['bound'], '.3g') if s['bound'] else 'not reached'}"
+            + (f"; mean TTFT ≥ {s['ttft_bound_ms']:.1f} ms" if s.get("ttft_bound_ms") else "")
+            + (
+                f"; KV hit rate ≤ {s['kv_hit_rate_ceiling']:.3f}"
+                if s.get("kv_hit_rate_ceiling") is not None
+                else ""
+            )
+            + ")",
             "",
-            "| arm | TTFT mean (ms) | vs lmetric | verdict | TTFT p99 (ms) | vs lmetric | capacity | vs lmetric | of the bound |",
-            "|---|---:|---:|---|---:|---:|---:|---:|---:|",
+            "| arm | TTFT mean (ms) | vs lmetric | verdict | TTFT p99 (ms) | vs lmetric | capacity | vs lmetric "
+            "| of the bound | TTFT of the bound |",
+            "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
         ]
         for r in s["rows"]:
             m, p = Interval(*r["vs_lmetric_mean"]), Interval(*r["vs_lmetric_p99"])
@@ -146,7 +162,7 @@ def markdown(summaries: Sequence[dict[str, Any]], source: str) -> str:
                 f"| {r['arm']} | {r['ttft_mean_ms']:.1f} | {'' if same else fmt_relative(m)} | "
                 f"{r['verdict_mean']} | {r['ttft_p99_ms']:.1f} | {'' if same else fmt_relative(p)} | "
                 f"{'—' if r['capacity'] is None else '×' + format(r['capacity'], '.3g')} | "
-                f"{_x(r['capacity_vs_lmetric'])} | {_x(r['of_bound'], 3)} |"
+                f"{_x(r['capacity_vs_lmetric'])} | {_x(r['of_bound'], 3)} | {_x(r.get('ttft_of_bound'), 3)} |"
             )
         if s["queue"]:
             out += [

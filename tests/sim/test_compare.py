@@ -103,7 +103,9 @@ def test_compare_writes_results_table_and_plots_matching_direct_runs(
     assert set(bounds) == {0.5, 1.0} and "### the bound" in printed
     for r in runs:
         assert r["ttft_ms"]["mean"] >= bounds[r["rate_scale"]]["ttft_mean_ms"]
-        assert r["kv_hit_rate"] <= bounds[r["rate_scale"]]["oracle_kv_hit_rate"] + 1e-9
+        assert r["kv_hit_rate"] <= bounds[r["rate_scale"]]["kv_hit_rate_ceiling"] + 1e-9
+        assert bounds[r["rate_scale"]]["kv_hit_rate_ceiling"] <= bounds[r["rate_scale"]]["oracle_kv_hit_rate"]
+    assert "vllm: of the bound" in printed and "lmetric: of the bound" in printed
     for r in runs:
         direct = run_spec(tiny_spec(r["policy"], r["rate_scale"]))
         assert r["ttft_ms"] == direct["ttft_ms"]

@@ -348,7 +348,7 @@ def _simulate(
     bound = {
         "ttft_mean_ms": b.ttft_mean_bound_ms,
         "ttft_p99_ms": b.ttft_floor_p99_ms,
-        # the bound's KV-capacity ceiling on hits where it has one, else the infinite-cache oracle's
-        "kv_hit_rate": float(getattr(b, "kv_hit_rate_ceiling", b.oracle_hit_rate)),
+        # the bound's KV-capacity ceiling on hits (one pooled cache of every instance's capacity)
+        "kv_hit_rate": b.kv_hit_rate_ceiling,
     }
     return out, bound

@@ -62,13 +62,14 @@ import heapq
 import math
 from array import array
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvroute.engine.types import CostModel
 from kvroute.errors import UserError
+from kvroute.sim.pooled_cache import PooledHits, pooled_cache_hits
 from kvroute.workloads.request import Request
 
 if TYPE_CHECKING:
@@ -103,9 +104,14 @@ class Engine:
     # σ(c) for c = 1..B at index c − 1: the shortest step that computes at least c tokens, seconds
     # (min over T ≥ c of τ(T)); empty: unknown (the TTFT floor is then max(m / R*, τ_min))
     step_floor_s: tuple[float, ...] = field(default=(), repr=False)
+    # C: one instance's KV pool in tokens (its blocks: this // the workload's block size); 0: unknown,
+    # and the bound's KV capacity terms are left out (as if every pool were infinite)
+    kv_capacity_tokens: int = 0
 
 
-def peak_rate(cost: CostModel, max_batched_tokens: int, max_num_seqs: int) -> Engine:
+def peak_rate(
+    cost: CostModel, max_batched_tokens: int, max_num_seqs: int, kv_capacity_tokens: int = 0
+) -> Engine:
     """R*, τ_min, D* and σ of the module docstring. τ(T) is the shortest step of T tokens over every
     number d ≤ min(T, S) of decodes: the cost model's ``least_step_times(T, S)`` where it has one (a
     lower bound over every context and chunking: the profiles' attention tables), else its
@@ -132,7 +138,13 @@ def peak_rate(cost: CostModel, max_batched_tokens: int, max_num_seqs: int) -> En
         taus.append(tau)
     floor = np.minimum.accumulate(np.array(taus[::-1]))[::-1]  # σ(c) = min over T >= c of τ(T)
     return Engine(
-        best_rate, min_step, max_batched_tokens, max_num_seqs, best_decode, tuple(float(x) for x in floor)
+        best_rate,
+        min_step,
+        max_batched_tokens,
+        max_num_seqs,
+        best_decode,
+        tuple(float(x) for x in floor),
+        kv_capacity_tokens,
     )
 
 
@@ -169,7 +181,7 @@ def ttft_floors_s(misses: np.ndarray, engine: Engine) -> np.ndarray:
     budget = len(sigma)
     exact = _EXACT_CHUNKS * budget
     upto = int(min(max(int(m.max()), budget), exact))
-    f = _prefill_floor_table(engine, upto)
+    f = _prefill_floor_table(engine, exact)[: upto + 1]  # one table per engine (a prefix is exact)
     inside = np.minimum(m, upto)
     floors = f[inside]
     over = m > upto
@@ -233,6 +245,15 @@ def _works(h: np.ndarray, prompts: np.ndarray, block_sizes: np.ndarray) -> np.nd
     return np.maximum(prompts - h * block_sizes, 0)
 
 
+def _extend_ids(ids: array[int], block_ids: Sequence[int]) -> None:
+    """Append ``block_ids`` to ``ids`` as unsigned 64-bit (negative ids as their two's complement,
+    as ``b & _MASK``): in C when they fit a signed 64-bit int, else one by one."""
+    try:
+        ids.frombytes(array("q", block_ids).tobytes())
+    except OverflowError:
+        ids.extend(b & _MASK for b in block_ids)
+
+
 def _columns(reqs: Sequence[Request]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The requests' concatenated block ids, block counts, prompt lengths, block sizes and arrivals."""
     ids = np.fromiter((b & _MASK for r in reqs for b in r.block_ids), dtype=np.uint64)
@@ -243,15 +264,22 @@ def _columns(reqs: Sequence[Request]) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return ids, lengths, prompts, sizes, arrivals
 
 
-def hit_rate_ceiling(requests: Iterable[Request]) -> float:
-    """The oracle's KV hit rate on ``requests``: 1 − Σ w(i) / Σ prompt(i) (module docstring, *charged
-    work*), at least any router's cached / prompt tokens on them when every request finishes; 0 when
-    empty. Raises :class:`UnchainedBlocks` (a :class:`UserError`) for unchained block ids."""
+def hit_rate_ceiling(requests: Iterable[Request], capacity_blocks: int | None = None) -> float:
+    """The most KV hit rate (cached / prompt tokens, every request finished) any router can reach on
+    ``requests``; 0 when empty. ``capacity_blocks`` None: the infinite-cache oracle, 1 − Σ w(i) /
+    Σ prompt(i) (module docstring, *charged work*), for any admission order. Else the pooled cache
+    of that many blocks (:func:`pooled_capacity_blocks` for a cluster), block_size · H / Σ prompt
+    (module docstring, *KV capacity*), for admission in arrival order; the lower of the two. Raises
+    :class:`UnchainedBlocks` (a :class:`UserError`) for unchained block ids."""
     ids, lengths, prompts, sizes, arrivals = _columns(list(requests))
     total = int(prompts.sum())
     if not total:
         return 0.0
-    return (total - int(_works(_seen_run(ids, lengths, arrivals), prompts, sizes).sum())) / total
+    oracle = (total - int(_works(_seen_run(ids, lengths, arrivals), prompts, sizes).sum())) / total
+    if capacity_blocks is None:
+        return oracle
+    hits = _pooled_hits(ids, lengths, prompts, sizes, arrivals, capacity_blocks)
+    return min(oracle, int(sizes[0]) * hits.total / total)
 
 
 def oracle_misses(requests: Iterable[Request]) -> list[int]:
@@ -262,6 +290,125 @@ def oracle_misses(requests: Iterable[Request]) -> list[int]:
 
 
 _MASK = (1 << 64) - 1
+
+
+def _countable(lengths: np.ndarray, prompts: np.ndarray, block_sizes: np.ndarray) -> np.ndarray:
+    """c(i): the leading blocks request i's hit can count, min(blocks, (prompt − 1) // block size)
+    (the engine computes at least one prompt token)."""
+    return np.minimum(lengths, np.where(prompts > 0, (prompts - 1) // block_sizes, 0))
+
+
+def _pooled_hits(
+    ids: np.ndarray,
+    lengths: np.ndarray,
+    prompts: np.ndarray,
+    block_sizes: np.ndarray,
+    arrivals: np.ndarray,
+    capacity_blocks: int,
+) -> PooledHits:
+    """The pooled cache's most hits (blocks) serving the requests in arrival order (ties: workload
+    order), :func:`kvroute.sim.pooled_cache.pooled_cache_hits`."""
+    order = np.argsort(arrivals, kind="stable")
+    countable = _countable(lengths, prompts, block_sizes)
+    return pooled_cache_hits(ids, lengths, countable, order, capacity_blocks)
+
+
+def pooled_capacity_blocks(
+    lengths: Sequence[int] | np.ndarray, block_size: int, engine: Engine, instances: int
+) -> int:
+    """K = N · C + the N largest min(blocks(i), C) (C = ``engine.kv_capacity_tokens`` // block size,
+    ``lengths`` the requests' block counts): the most distinct blocks the N pools hold, cached or
+    owned by admitted requests, at any first admission (module docstring, *KV capacity*); 0 when C
+    is unknown."""
+    per = engine.kv_capacity_tokens // block_size if block_size > 0 else 0
+    if per <= 0:
+        return 0
+    sizes = np.minimum(np.asarray(lengths, dtype=np.int64), per)
+    largest = np.sort(sizes)[::-1][:instances]
+    return instances * per + int(largest.sum())
+
+
+def _shared_run(ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """g(i): request i's leading blocks that some other request holds (with chained ids, a block two
+    requests hold has a prefix they both hold, so these are i's blocks held twice or more)."""
+    n = len(lengths)
+    g = np.zeros(n, dtype=np.int64)
+    if n == 0 or not len(ids):
+        return g
+    _, inv, count = np.unique(ids, return_inverse=True, return_counts=True)
+    twice = (count[inv.ravel()] > 1).astype(np.int64)
+    nonempty = lengths > 0
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))[nonempty]
+    g[nonempty] = np.add.reduceat(twice, starts)
+    return g
+
+
+def floor_sum_with_hit_budget_s(
+    prompts: np.ndarray, most_hits: np.ndarray, block_size: int, hit_budget: int, engine: Engine
+) -> float:
+    """A lower bound on Σ_i f(prompt(i) − block_size · x(i)) over every x with 0 ≤ x(i) ≤
+    ``most_hits[i]`` (blocks) and Σ x ≤ ``hit_budget`` (seconds; f the TTFT floor of
+    :func:`ttft_floors_s`): Lagrangian duality, max over λ ≥ 0 of Σ_i min over x(i) of
+    [f(prompt(i) − block_size · x(i)) + λ · x(i)] − λ · hit_budget, each λ giving a lower bound
+    (searched by golden section on the dual, which is concave). With Σ most ≤ budget it is Σ f of
+    the least misses. Needs prompt(i) − block_size · most_hits[i] ≥ 1."""
+    p = np.asarray(prompts, dtype=np.int64)
+    most = np.asarray(most_hits, dtype=np.int64)
+    least = p - block_size * most
+    base = float(ttft_floors_s(least, engine).sum())
+    if not len(p) or int(most.sum()) <= hit_budget:
+        return base
+    budget_b = len(engine.step_floor_s)
+    pmax = int(p.max())
+    upto = min(max(pmax, budget_b), _EXACT_CHUNKS * budget_b) if budget_b else min(pmax, 1 << 22)
+    m_all = np.arange(upto + 1, dtype=np.int64)
+    f_tab = ttft_floors_s(m_all, engine)
+    rate = engine.peak_tokens_s
+    # beyond the table f is m / R* plus a constant (ttft_floors_s' extension)
+    ext0 = max(float(f_tab[upto - budget_b + 1]) - upto / rate, 0.0) if budget_b else 0.0
+    # the progression {prompt − block_size · x} in the table is one run of its residue class
+    order = np.lexsort((m_all, m_all % block_size))
+    pos = np.empty(upto + 1, dtype=np.int64)
+    pos[order] = np.arange(upto + 1, dtype=np.int64)
+    top = np.minimum(p, upto)
+    hi = p - block_size * (-(-(p - top) // block_size))  # the largest m ≤ min(p, upto) in the run
+    in_tab = least <= hi
+    idx = np.empty(2 * int(in_tab.sum()), dtype=np.int64)
+    idx[0::2] = pos[least[in_tab]]
+    idx[1::2] = pos[hi[in_tab]] + 1
+    over = p > upto  # and its part beyond the table: the end points of a linear stretch
+    first_over = p - block_size * ((p - np.maximum(least, upto + 1)) // block_size)
+    ends = [first_over[over], p[over]]
+
+    def dual(lam: float) -> float:
+        mu = lam / block_size  # per token
+        phi = f_tab - mu * m_all
+        arr = np.append(phi[order], 0.0)
+        best = np.full(len(p), np.inf)
+        if len(idx):
+            best[in_tab] = np.minimum.reduceat(arr, idx)[0::2]
+        if over.any():
+            lin = np.minimum(*(ext0 + m * (1.0 / rate - mu) for m in ends))
+            best[over] = np.minimum(best[over], lin)
+        return float((best + mu * p).sum()) - lam * hit_budget
+
+    lo_l, hi_l = 0.0, float(f_tab[min(block_size, upto)]) + 2.0 * block_size / rate
+    found = max(base, dual(0.0))
+    golden = (math.sqrt(5.0) - 1.0) / 2.0
+    a, b = lo_l, hi_l
+    c, d = b - golden * (b - a), a + golden * (b - a)
+    fc, fd = dual(c), dual(d)
+    for _ in range(40):
+        found = max(found, fc, fd)
+        if fc >= fd:
+            b, d, fd = d, c, fc
+            c = b - golden * (b - a)
+            fc = dual(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + golden * (b - a)
+            fd = dual(d)
+    return max(found, fc, fd)
 
 
 def _fits_by_deadlines(
@@ -285,9 +432,11 @@ def _fits_by_deadlines(
 @dataclass(frozen=True, slots=True)
 class WorkloadBound:
     """The bound's terms on one generated workload: ``requests``, ``last_arrival_s``, the oracle's
-    KV hit rate (cached / prompt tokens), the mean and p99 TTFT floors and the pooled SRPT mean (ms),
-    and per request the arrival (s), the prefill work w(i) charged to it and the output tokens (for
-    :meth:`meets`)."""
+    KV hit rate (cached / prompt tokens, infinite caches), the mean and p99 TTFT floors and the
+    pooled SRPT mean (ms); with the pools' size known (``kv_capacity_blocks`` K > 0) the pooled
+    cache's KV hit-rate ceiling and its mean-TTFT terms (module docstring, *KV capacity*); and per
+    request the arrival (s), the prefill work w(i) charged to it, the output tokens and the prompt
+    tokens (for :meth:`meets`)."""
 
     requests: int
     last_arrival_s: float
@@ -300,15 +449,41 @@ class WorkloadBound:
     outputs: np.ndarray = field(
         default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False, compare=False
     )
+    kv_capacity_blocks: int = 0  # K of the pooled cache; 0: unknown, the KV capacity terms are off
+    kv_hit_tokens: int = 0  # block size · H: the most prompt tokens any router's hits cover
+    kv_floor_mean_ms: float = 0.0  # mean TTFT floor with at most H hit blocks in all
+    kv_srpt_mean_ms: float = 0.0  # pooled SRPT mean of the least own work, plus the work H leaves
+    prompts: np.ndarray = field(
+        default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False, compare=False
+    )
+
+    @property
+    def kv_hit_rate_ceiling(self) -> float:
+        """The KV hit-rate ceiling: the pooled cache's (block size · H / Σ prompt) where K is known,
+        at most the oracle's; else the oracle's."""
+        total = int(np.asarray(self.prompts).sum())
+        if self.kv_capacity_blocks <= 0 or not total:
+            return self.oracle_hit_rate
+        return min(self.oracle_hit_rate, self.kv_hit_tokens / total)
+
+    @property
+    def ttft_mean_any_order_ms(self) -> float:
+        """The lower bound on mean TTFT (ms) for any admission order, without KV capacity: the
+        larger of the mean floor and the pooled SRPT mean."""
+        return max(self.ttft_floor_mean_ms, self.pooled_srpt_mean_ms)
 
     @property
     def ttft_mean_bound_ms(self) -> float:
-        """The lower bound on mean TTFT (ms): the larger of the mean floor and the pooled SRPT mean."""
-        return max(self.ttft_floor_mean_ms, self.pooled_srpt_mean_ms)
+        """The lower bound on mean TTFT (ms): :attr:`ttft_mean_any_order_ms`, or with K known the
+        larger of it and the KV capacity terms (admission in arrival order)."""
+        return max(self.ttft_mean_any_order_ms, self.kv_floor_mean_ms, self.kv_srpt_mean_ms)
 
-    def meets(self, engine: Engine, instances: int, ttft_p99_ms: float, tpot_p99_ms: float) -> bool:
+    def meets(
+        self, engine: Engine, instances: int, ttft_p99_ms: float, tpot_p99_ms: float, kv: bool = True
+    ) -> bool:
         """Whether the workload could meet TTFT p99 ≤ ``ttft_p99_ms`` and TPOT p99 ≤ ``tpot_p99_ms``
-        on ``instances`` with every request finished (module docstring; False: no router can)."""
+        on ``instances`` with every request finished (module docstring; False: no router can).
+        ``kv``: also the KV capacity conditions (where K is known; admission in arrival order)."""
         n = self.requests
         if n == 0:
             return True
@@ -322,6 +497,10 @@ class WorkloadBound:
         if not _fits_by_deadlines(a + ttft_s, m, n - k, rate):
             return False
         decoded = np.asarray(self.outputs, dtype=np.int64) - 1
+        kv_on = kv and self.kv_capacity_blocks > 0 and len(self.prompts) == n
+        prompts = np.asarray(self.prompts, dtype=np.int64)
+        if kv_on and not _fits_in_total(prompts, n - k, self.kv_hit_tokens, rate * (a.max() + ttft_s)):
+            return False
         n_t = int((decoded > 0).sum())  # requests with a TPOT
         both = n - (n - k) - (n_t - math.floor(0.99 * n_t))  # meet both objectives, at least
         if both <= 0:
@@ -329,7 +508,17 @@ class WorkloadBound:
         finish = a + ttft_s + decoded * tpot_s  # by when a request meeting both has finished
         if not _fits_by_deadlines(finish, m + decoded, n - both, rate):
             return False
+        if kv_on and not _fits_in_total(prompts + decoded, n - both, self.kv_hit_tokens, rate * finish.max()):
+            return False
         return _fits_by_deadlines(finish, decoded, n - both, instances * engine.peak_decode_s)
+
+
+def _fits_in_total(tokens: np.ndarray, excused: int, hit_tokens: int, capacity: float) -> bool:
+    """Whether the requests' ``tokens`` (prompt, or prompt plus decoded, each), less the ``excused``
+    largest and less ``hit_tokens`` (all hits, whoever gets them), fit in ``capacity`` tokens."""
+    t = np.sort(np.asarray(tokens, dtype=np.int64))
+    kept = int(t[: len(t) - excused].sum()) if excused < len(t) else 0
+    return kept - hit_tokens <= capacity
 
 
 def srpt_mean_s(arrivals: Sequence[float], works: Sequence[float], speed: float) -> float:
@@ -363,7 +552,8 @@ def srpt_mean_s(arrivals: Sequence[float], works: Sequence[float], speed: float)
 
 def workload_bound(requests: Iterable[Request], engine: Engine, instances: int = 1) -> WorkloadBound:
     """The terms of :class:`WorkloadBound` for ``requests`` (consumed once, kept as arrays) on
-    ``instances`` of ``engine``."""
+    ``instances`` of ``engine`` (its ``kv_capacity_tokens`` gives the KV capacity terms; a workload
+    with mixed block sizes gets none)."""
     ids: array[int] = array("Q")
     lengths: array[int] = array("q")
     prompts: array[int] = array("q")
@@ -371,7 +561,7 @@ def workload_bound(requests: Iterable[Request], engine: Engine, instances: int =
     outputs: array[int] = array("q")
     arrivals: array[float] = array("d")
     for r in requests:
-        ids.extend(b & _MASK for b in r.block_ids)
+        _extend_ids(ids, r.block_ids)
         lengths.append(len(r.block_ids))
         prompts.append(r.prompt_len)
         sizes.append(r.block_size)
@@ -380,28 +570,67 @@ def workload_bound(requests: Iterable[Request], engine: Engine, instances: int =
     n = len(lengths)
     if n == 0:
         return WorkloadBound(0, 0.0, 0.0, 0.0, 0.0)
+    ids_ = np.frombuffer(ids, dtype=np.uint64)
+    lengths_ = np.frombuffer(lengths, dtype=np.int64)
+    arrivals_ = np.frombuffer(arrivals, dtype=np.float64)
     prompt = np.frombuffer(prompts, dtype=np.int64)
     sizes_ = np.frombuffer(sizes, dtype=np.int64)
-    h = _seen_run(
-        np.frombuffer(ids, dtype=np.uint64),
-        np.frombuffer(lengths, dtype=np.int64),
-        np.frombuffer(arrivals, dtype=np.float64),
-    )
+    h = _seen_run(ids_, lengths_, arrivals_)
     works = _works(h, prompt, sizes_)
-    floors = np.sort(ttft_floors_s(_misses(h, prompt, sizes_), engine)) * 1000.0
+    misses = _misses(h, prompt, sizes_)
+    floors_s = ttft_floors_s(misses, engine)
+    floors = np.sort(floors_s) * 1000.0
     k = max(1, math.floor(0.99 * n))
     total = int(prompt.sum())
+    speed = instances * engine.peak_tokens_s
+    kv = _kv_terms(ids_, lengths_, prompt, sizes_, arrivals_, h, engine, instances)
     return WorkloadBound(
         requests=n,
         last_arrival_s=max(arrivals),
         oracle_hit_rate=(total - int(works.sum())) / total if total else 0.0,
         ttft_floor_mean_ms=float(floors.mean()),
         ttft_floor_p99_ms=float(floors[k - 1]),
-        pooled_srpt_mean_ms=1000.0 * srpt_mean_s(arrivals, works.tolist(), instances * engine.peak_tokens_s),
-        arrivals=np.frombuffer(arrivals, dtype=np.float64).copy(),
+        pooled_srpt_mean_ms=1000.0 * srpt_mean_s(arrivals, works.tolist(), speed),
+        arrivals=arrivals_.copy(),
         works=works,
         outputs=np.frombuffer(outputs, dtype=np.int64).copy(),
+        prompts=prompt.copy(),
+        **kv,
     )
+
+
+def _kv_terms(
+    ids: np.ndarray,
+    lengths: np.ndarray,
+    prompts: np.ndarray,
+    sizes: np.ndarray,
+    arrivals: np.ndarray,
+    seen: np.ndarray,
+    engine: Engine,
+    instances: int,
+) -> dict[str, Any]:
+    """The KV capacity fields of :class:`WorkloadBound` (module docstring, *KV capacity*): K, the
+    pooled cache's hit tokens, the mean floor under that hit budget and the pooled SRPT with the
+    work it leaves (ms); empty when the pools' size is unknown or the block sizes are mixed."""
+    n = len(lengths)
+    bs = int(sizes[0])
+    if engine.kv_capacity_tokens <= 0 or bool((sizes != bs).any()):
+        return {}
+    cap = pooled_capacity_blocks(lengths, bs, engine, instances)
+    hits = _pooled_hits(ids, lengths, prompts, sizes, arrivals, cap)
+    countable = _countable(lengths, prompts, sizes)
+    most = np.minimum(seen, countable)  # x(i) ≤ the oracle's capped run, whatever the cache
+    floor_s = floor_sum_with_hit_budget_s(prompts, most, bs, hits.total, engine) / n
+    own = prompts - bs * np.minimum(_shared_run(ids, lengths), countable)  # ℓ(i): i computes ≥ this
+    speed = instances * engine.peak_tokens_s
+    extra = max(0, int(prompts.sum()) - bs * hits.total - int(own.sum()))
+    srpt_s = srpt_mean_s(arrivals.tolist(), own.tolist(), speed) + extra / speed / n
+    return {
+        "kv_capacity_blocks": cap,
+        "kv_hit_tokens": bs * hits.total,
+        "kv_floor_mean_ms": 1000.0 * floor_s,
+        "kv_srpt_mean_ms": 1000.0 * srpt_s,
+    }
 
 
 def capacity_bound(
@@ -413,16 +642,18 @@ def capacity_bound(
     start: float,
     refine: int = 8,
     max_doublings: int = 20,
+    kv: bool = True,
 ) -> float | None:
     """The highest rate scale whose workload (``at_rate(rate)``) passes :meth:`WorkloadBound.meets`:
     doubling (or halving) from ``start`` until it flips, then ``refine`` log-space bisections; the
     highest passing probe (an upper bound up to the last bisection's resolution, which is reported
     as the bracket's upper end so the bound stays an upper bound). ``None``: nothing passes down to
     ``start`` / 2^max_doublings; ``math.inf``: everything passes up to ``start`` · 2^max_doublings
-    (the search stops there: the workloads grow with the rate)."""
+    (the search stops there: the workloads grow with the rate). ``kv``: with the KV capacity
+    conditions (:meth:`WorkloadBound.meets`)."""
 
     def ok(r: float) -> bool:
-        return at_rate(r).meets(engine, instances, ttft_p99_ms, tpot_p99_ms)
+        return at_rate(r).meets(engine, instances, ttft_p99_ms, tpot_p99_ms, kv)
 
     lo, hi = start, start
     if ok(start):
@@ -451,9 +682,10 @@ def capacity_bound(
 
 
 def spec_engine(spec: RunSpec) -> Engine:
-    """The engine limits of ``spec``'s instances (its profile, chunk budget and batch limit);
-    computed once per process for each (profile, limits): a million step times."""
-    return _engine_of(
+    """The engine limits of ``spec``'s instances (its profile, chunk budget, batch limit and KV
+    pool: ``--kv-tokens`` or the profile's); computed once per process for each (profile, limits):
+    a million step times."""
+    engine = _engine_of(
         spec.profile,
         spec.profile_dir,
         spec.model_config,
@@ -461,16 +693,23 @@ def spec_engine(spec: RunSpec) -> Engine:
         spec.max_num_batched_tokens,
         spec.max_num_seqs,
     )
+    return replace(engine, kv_capacity_tokens=spec.kv_tokens) if spec.kv_tokens else engine
 
 
 @functools.lru_cache(maxsize=8)
 def _engine_of(
-    profile: str | None, profile_dir: str | None, model_config: str | None, tp: int, budget: int, seqs: int
+    profile: str | None,
+    profile_dir: str | None,
+    model_config: str | None,
+    tp: int,
+    budget: int,
+    seqs: int,
 ) -> Engine:
     from kvroute.sim.runner import RunSpec, load_profile
 
     spec = RunSpec(profile=profile, profile_dir=profile_dir, model_config=model_config, tp=tp)
-    return peak_rate(load_profile(spec).cost, budget, seqs)
+    loaded = load_profile(spec)
+    return peak_rate(loaded.cost, budget, seqs, loaded.kv_capacity_tokens)
 
 
 def spec_bound(spec: RunSpec, engine: Engine) -> WorkloadBound:
@@ -490,9 +729,12 @@ def bound_summary(
     start: float,
 ) -> dict[str, Any]:
     """The bound as the comparisons report it: the engine's limits; per rate in ``rates`` the lower
-    bounds on mean TTFT and the TTFT p99 floor (ms) and the oracle's KV hit rate; with ``slo`` =
-    (TTFT p99 ms, TPOT p99 ms) the capacity bound (rate scale), searched from ``start``.
-    ``spec_at(rate)``: the run at that rate (only its workload and cluster are read)."""
+    bounds on mean TTFT (``ttft_mean_ms``, counting KV capacity; ``ttft_mean_any_order_ms`` without
+    it, for any admission order) and the TTFT p99 floor (ms), the KV hit-rate ceiling
+    (``kv_hit_rate_ceiling``; ``oracle_kv_hit_rate``: infinite caches) and the pooled cache's size;
+    with ``slo`` = (TTFT p99 ms, TPOT p99 ms) the capacity bound (rate scale; ``capacity_any_order``
+    without the KV capacity conditions), searched from ``start``. ``spec_at(rate)``: the run at that
+    rate (only its workload and cluster are read)."""
     engine = spec_engine(spec_at(start))
     instances = spec_at(start).instances
     memo: dict[float, WorkloadBound] = {}
@@ -507,15 +749,21 @@ def bound_summary(
             "peak_tokens_per_s": engine.peak_tokens_s,
             "peak_decode_tokens_per_s": engine.peak_decode_s,
             "min_step_ms": engine.min_step_s * 1000.0,
+            "kv_capacity_tokens": engine.kv_capacity_tokens,
         },
         "rates": [
             {
                 "rate": r,
                 "requests": b.requests,
+                "kv_hit_rate_ceiling": b.kv_hit_rate_ceiling,
                 "oracle_kv_hit_rate": b.oracle_hit_rate,
+                "kv_capacity_blocks": b.kv_capacity_blocks,
                 "ttft_mean_ms": b.ttft_mean_bound_ms,
+                "ttft_mean_any_order_ms": b.ttft_mean_any_order_ms,
                 "ttft_floor_mean_ms": b.ttft_floor_mean_ms,
                 "pooled_srpt_mean_ms": b.pooled_srpt_mean_ms,
+                "kv_floor_mean_ms": b.kv_floor_mean_ms,
+                "kv_srpt_mean_ms": b.kv_srpt_mean_ms,
                 "ttft_floor_p99_ms": b.ttft_floor_p99_ms,
             }
             for r in rates
@@ -523,9 +771,12 @@ def bound_summary(
         ],
     }
     if slo is not None:
-        cap = capacity_bound(at, engine, instances, slo[0], slo[1], start, refine=5, max_doublings=6)
-        out["capacity"] = None if cap is None or not math.isfinite(cap) else cap
-        # nothing failed up to start · 2^6: the bound is above that (reported as None, with the rate)
-        out["capacity_above"] = start * 2.0**6 if cap is not None and not math.isfinite(cap) else None
+        for key, kv in (("capacity", True), ("capacity_any_order", False)):
+            cap = capacity_bound(
+                at, engine, instances, slo[0], slo[1], start, refine=5, max_doublings=6, kv=kv
+            )
+            out[key] = None if cap is None or not math.isfinite(cap) else cap
+            # nothing failed up to start · 2^6: the bound is above that (reported as None, with the rate)
+            out[f"{key}_above"] = start * 2.0**6 if cap is not None and not math.isfinite(cap) else None
     memo.clear()
     return out

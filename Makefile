@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench soak lint sim-mooncake compare clean vllm-venv test-vllm vllm-eval
+.PHONY: run test bench soak lint docs dist sim-mooncake compare clean vllm-venv test-vllm vllm-eval
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,20 @@ bench: $(STAMP)
 ## 4 emulated engines, with faults and bad inputs; a few minutes on 2 cores; writes benchmarks/results/soak.json.
 soak: $(STAMP)
 	$(BIN)/python -m benchmarks.soak
+
+## The documentation site (MkDocs Material, docs/ + mkdocs.yml) into build/site, strict: a broken link,
+## a missing anchor or a page outside the nav fails it. The Reference pages are generated from the code.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/pip install -q -e '.[dev,docs]'
+	touch $@
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+## A wheel and an sdist into dist/ (python -m build, isolated from the virtualenv's packages).
+dist: $(STAMP)
+	$(BIN)/python -m build --outdir dist .
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
@@ -57,4 +71,4 @@ vllm-eval: $(STAMP) $(TINY_STAMP)
 	$(BIN)/python scripts/real_vllm_eval.py --venv $(VLLM_VENV) --model $(TINY_MODEL)
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build dist *.egg-info src/*.egg-info

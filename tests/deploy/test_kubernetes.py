@@ -354,9 +354,9 @@ async def test_alert_rules_use_metrics_the_router_exports(config: RouterConfig) 
     assert used and used <= exported, used - exported
 
 
-def test_readme_shows_the_deployed_command_line() -> None:
-    """The top-level README's two-replica `kvroute serve` line is the Deployment's command line."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8").replace("\\\n", " ")
+def test_guide_shows_the_deployed_command_line() -> None:
+    """The router guide's two-replica `kvroute serve` line is the Deployment's command line."""
+    text = (ROOT / "docs" / "guide" / "router.md").read_text(encoding="utf-8").replace("\\\n", " ")
     lines = [
         ln.strip() for ln in text.splitlines() if ln.strip().startswith("kvroute serve --config /etc/kvroute")
     ]

@@ -32,7 +32,10 @@ def world() -> Iterator[World]:
     upstream = MisbehavingUpstream("faulty")
     harness.call(upstream.start())
     try:
-        with emulated_engine("emu", time_scale=50.0) as engine, serve_front_door([upstream.url, engine]) as door:
+        with (
+            emulated_engine("emu", time_scale=50.0) as engine,
+            serve_front_door([upstream.url, engine]) as door,
+        ):
             suite = Suite(door, timeout_s=TIMEOUT_S)
             up, emu = Target("upstream", "faulty", upstream), Target("engine", "emu")
             harness.call(suite.ready([up, emu]))

@@ -28,7 +28,6 @@ from kvroute.conformance.runner import Harness, Report, Suite, Target, cases
 from kvroute.conformance.upstream import MisbehavingUpstream
 
 
-
 class _External:
     """A front door someone else started: ``log`` (optional) is its log file."""
 
@@ -58,9 +57,13 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kvroute.conformance", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running front door (default: start kvroute serve)")
     p.add_argument("--log", help="the running front door's log file, checked for tracebacks")
-    p.add_argument("--upstream-port", type=int, default=0, help="port of the misbehaving upstream (default: free)")
+    p.add_argument(
+        "--upstream-port", type=int, default=0, help="port of the misbehaving upstream (default: free)"
+    )
     p.add_argument("--upstream-model", default="faulty", help="model the misbehaving upstream serves")
-    p.add_argument("--engine-model", help="model of a real engine behind the front door (default: emu, started)")
+    p.add_argument(
+        "--engine-model", help="model of a real engine behind the front door (default: emu, started)"
+    )
     p.add_argument("--client", action="append", help=f"only this client case (repeat): {', '.join(CLIENTS)}")
     p.add_argument("--fault", action="append", help=f"only this upstream fault (repeat): {', '.join(FAULTS)}")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds any one wait may take (default 10)")

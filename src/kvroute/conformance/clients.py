@@ -15,7 +15,14 @@ from dataclasses import dataclass
 
 from kvroute.conformance.ids import new_id
 from kvroute.conformance.invariant import Expect
-from kvroute.conformance.rawhttp import Hung, RawResponse, ResponseReader, completion_body, connect, request_bytes
+from kvroute.conformance.rawhttp import (
+    Hung,
+    RawResponse,
+    ResponseReader,
+    completion_body,
+    connect,
+    request_bytes,
+)
 
 __all__ = ["CLIENTS", "LISTED_HEADER", "ClientCase", "Ctx", "Outcome", "exchange", "ordinary_request"]
 
@@ -47,7 +54,9 @@ class Outcome:
 Write = bytes | float  # bytes to write, or seconds to wait
 
 
-async def exchange(ctx: Ctx, writes: Sequence[Write], expects: Sequence[Expect], close: bool = True) -> list[Outcome]:
+async def exchange(
+    ctx: Ctx, writes: Sequence[Write], expects: Sequence[Expect], close: bool = True
+) -> list[Outcome]:
     """Open a connection, carry out ``writes``, read one response per ``expects`` (in order)."""
     try:
         reader, writer = await connect(ctx.host, ctx.port, ctx.timeout_s)
@@ -78,7 +87,9 @@ async def exchange(ctx: Ctx, writes: Sequence[Write], expects: Sequence[Expect],
     return out
 
 
-def _headers(rid: str | bytes | None, *extra: tuple[str | bytes, str | bytes]) -> list[tuple[str | bytes, str | bytes]]:
+def _headers(
+    rid: str | bytes | None, *extra: tuple[str | bytes, str | bytes]
+) -> list[tuple[str | bytes, str | bytes]]:
     h: list[tuple[str | bytes, str | bytes]] = [("Host", "conformance"), ("Content-Type", "application/json")]
     if rid is not None:
         h.append(("X-Request-Id", rid))
@@ -89,7 +100,9 @@ def _path(chat: bool) -> str:
     return "/v1/chat/completions" if chat else "/v1/completions"
 
 
-async def ordinary_request(ctx: Ctx, chat: bool, stream: bool, fault: str = "", expect: Expect | None = None) -> Outcome:
+async def ordinary_request(
+    ctx: Ctx, chat: bool, stream: bool, fault: str = "", expect: Expect | None = None
+) -> Outcome:
     """One ordinary request on its own connection (``fault``: the upstream's fault marker)."""
     rid = new_id()
     body = completion_body(ctx.model, chat, stream, fault)
@@ -187,7 +200,9 @@ def _pipelined(first_stream: bool) -> Run:
 
     async def run(ctx: Ctx) -> list[Outcome]:
         a, b = new_id(), new_id()
-        one = request_bytes("POST", _path(first_stream), _headers(a), completion_body(ctx.model, first_stream, first_stream))
+        one = request_bytes(
+            "POST", _path(first_stream), _headers(a), completion_body(ctx.model, first_stream, first_stream)
+        )
         two = request_bytes("POST", "/v1/completions", _headers(b), completion_body(ctx.model, False, False))
         return await exchange(ctx, [one + two], [Expect(a, first_stream), Expect(b, False)])
 
@@ -228,17 +243,29 @@ def _slow_request(ctx: Ctx, rid: str) -> list[Write]:
     return steps
 
 
+def _paused_head(ctx: Ctx, rid: str) -> list[Write]:
+    data = request_bytes("POST", "/v1/completions", _headers(rid), _body(ctx))
+    return [data[:30], 0.2, data[30:]]
+
+
 def _body(ctx: Ctx) -> bytes:
     return completion_body(ctx.model, False, False)
 
 
 def _chunked_request(ctx: Ctx, rid: str, size_line: bytes | None = None) -> list[Write]:
     body = _body(ctx)
-    head = request_bytes("POST", "/v1/completions", [*_headers(rid), ("Transfer-Encoding", "chunked")], b"", length=False)
+    head = request_bytes(
+        "POST", "/v1/completions", [*_headers(rid), ("Transfer-Encoding", "chunked")], b"", length=False
+    )
     if size_line is not None:
         return [head + size_line + b"\r\n" + body + b"\r\n0\r\n\r\n"]
     half = len(body) // 2
-    chunks = b"%x;ext=1\r\n%s\r\n%x\r\n%s\r\n0\r\nX-Trailer: 1\r\n\r\n" % (half, body[:half], len(body) - half, body[half:])
+    chunks = b"%x;ext=1\r\n%s\r\n%x\r\n%s\r\n0\r\nX-Trailer: 1\r\n\r\n" % (
+        half,
+        body[:half],
+        len(body) - half,
+        body[half:],
+    )
     return [head + chunks]
 
 
@@ -268,7 +295,9 @@ _CASES = (
     ClientCase("hop-proxy-connection", _hop("Proxy-Connection", "keep-alive"), "Proxy-Connection"),
     ClientCase("hop-te", _hop("TE", "trailers"), "TE: trailers"),
     ClientCase("hop-trailer", _hop("Trailer", "X-Checksum"), "Trailer"),
-    ClientCase("hop-proxy-authorization", _hop("Proxy-Authorization", "Basic Zm9vOmJhcg=="), "proxy credentials"),
+    ClientCase(
+        "hop-proxy-authorization", _hop("Proxy-Authorization", "Basic Zm9vOmJhcg=="), "proxy credentials"
+    ),
     ClientCase("hop-proxy-authenticate", _hop("Proxy-Authenticate", "Basic"), "Proxy-Authenticate"),
     ClientCase("hop-http2-settings", _hop("HTTP2-Settings", "AAMAAABkAAQAAP__"), "HTTP2-Settings"),
     ClientCase(
@@ -295,7 +324,9 @@ _CASES = (
     ClientCase(
         "request-id-non-utf8",
         _raw(
-            lambda ctx, rid: [request_bytes("POST", "/v1/completions", _headers(b"\xff\xfe\x80id"), _body(ctx))],
+            lambda ctx, rid: [
+                request_bytes("POST", "/v1/completions", _headers(b"\xff\xfe\x80id"), _body(ctx))
+            ],
             frozenset({200, 400}),
             may_close=False,
             rid_valid=False,
@@ -311,7 +342,9 @@ _CASES = (
         "authorization-non-utf8",
         _raw(
             lambda ctx, rid: [
-                request_bytes("GET", "/admin/backends", [("Host", "c"), ("Authorization", b"Bearer \xff\xfe\x80")])
+                request_bytes(
+                    "GET", "/admin/backends", [("Host", "c"), ("Authorization", b"Bearer \xff\xfe\x80")]
+                )
             ],
             frozenset({400, 401, 403, 404}),
         ),
@@ -322,7 +355,10 @@ _CASES = (
         _raw(
             lambda ctx, rid: [
                 request_bytes(
-                    "POST", "/v1/completions", [*_headers(rid), ("Transfer-Encoding", "chunked")], b"0\r\n\r\n"
+                    "POST",
+                    "/v1/completions",
+                    [*_headers(rid), ("Transfer-Encoding", "chunked")],
+                    b"0\r\n\r\n",
                 )
             ],
             BAD_REQUEST,
@@ -333,7 +369,13 @@ _CASES = (
         "te-not-chunked",
         _raw(
             lambda ctx, rid: [
-                request_bytes("POST", "/v1/completions", [*_headers(rid), ("Transfer-Encoding", "xchunked")], _body(ctx), length=False)
+                request_bytes(
+                    "POST",
+                    "/v1/completions",
+                    [*_headers(rid), ("Transfer-Encoding", "xchunked")],
+                    _body(ctx),
+                    length=False,
+                )
             ],
             BAD_REQUEST,
         ),
@@ -343,7 +385,9 @@ _CASES = (
         "cl-conflict",
         _raw(
             lambda ctx, rid: [
-                request_bytes("POST", "/v1/completions", [*_headers(rid), ("Content-Length", "3")], _body(ctx))
+                request_bytes(
+                    "POST", "/v1/completions", [*_headers(rid), ("Content-Length", "3")], _body(ctx)
+                )
             ],
             BAD_REQUEST,
         ),
@@ -383,7 +427,9 @@ _CASES = (
     ),
     ClientCase("disconnect-mid-stream", _mid_stream(), "a 400-token stream, closed after its first bytes"),
     ClientCase(
-        "slow-drip-request", _raw(_slow_request, frozenset({200}), may_close=False), "the request in 16-byte writes"
+        "slow-drip-request",
+        _raw(_slow_request, frozenset({200}), may_close=False),
+        "the request in 16-byte writes",
     ),
     ClientCase(
         "partial-head-close",
@@ -393,9 +439,7 @@ _CASES = (
     ClientCase(
         "partial-head-pause",
         _raw(
-            lambda ctx, rid: (lambda d: [d[:30], 0.2, d[30:]])(
-                request_bytes("POST", "/v1/completions", _headers(rid), _body(ctx))
-            ),
+            _paused_head,
             frozenset({200}),
             may_close=False,
         ),
@@ -411,8 +455,16 @@ _CASES = (
         _simple([(f"X-H{i}", "v") for i in range(150)], allowed=frozenset({200, 400, 431})),
         "150 extra headers",
     ),
-    ClientCase("obs-fold", _simple([("X-Fold", "a\r\n b")], allowed=BAD_REQUEST, may_close=True), "an obs-folded header"),
-    ClientCase("nul-in-header", _simple([("X-Nul", b"a\x00b")], allowed=BAD_REQUEST, may_close=True), "a NUL in a header"),
+    ClientCase(
+        "obs-fold",
+        _simple([("X-Fold", "a\r\n b")], allowed=BAD_REQUEST, may_close=True),
+        "an obs-folded header",
+    ),
+    ClientCase(
+        "nul-in-header",
+        _simple([("X-Nul", b"a\x00b")], allowed=BAD_REQUEST, may_close=True),
+        "a NUL in a header",
+    ),
     ClientCase(
         "bare-lf",
         _raw(

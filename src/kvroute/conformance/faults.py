@@ -58,7 +58,14 @@ class Answer:
             obj = "text_completion"
         usage = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
         return orjson.dumps(
-            {"id": self.oid, "object": obj, "created": 0, "model": self.model, "choices": [choice], "usage": usage}
+            {
+                "id": self.oid,
+                "object": obj,
+                "created": 0,
+                "model": self.model,
+                "choices": [choice],
+                "usage": usage,
+            }
         )
 
     def events(self) -> list[bytes]:
@@ -71,7 +78,12 @@ class Answer:
                 choice = {"index": 0, "delta": delta, "finish_reason": "stop" if last else None}
                 obj = "chat.completion.chunk"
             else:
-                choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": "stop" if last else None}
+                choice = {
+                    "index": 0,
+                    "text": piece,
+                    "logprobs": None,
+                    "finish_reason": "stop" if last else None,
+                }
                 obj = "text_completion"
             event = {"id": self.oid, "object": obj, "created": 0, "model": self.model, "choices": [choice]}
             out.append(b"data: " + orjson.dumps(event) + b"\n\n")
@@ -99,7 +111,16 @@ class Answer:
                 if self.stream
                 else b"Content-Length: %d\r\n" % len(self.body())
             )
-        return b"HTTP/1.1 " + status + b"\r\nContent-Type: " + self.content_type + b"\r\n" + framing + extra + b"\r\n"
+        return (
+            b"HTTP/1.1 "
+            + status
+            + b"\r\nContent-Type: "
+            + self.content_type
+            + b"\r\n"
+            + framing
+            + extra
+            + b"\r\n"
+        )
 
     def whole(self) -> bytes:
         """The ordinary response, head and body, in bytes."""
@@ -158,7 +179,12 @@ BAD_GATEWAY = frozenset({502, 503})
 _FAULTS = (
     Fault("none", lambda a: (a.whole(),), OK, "an ordinary answer"),
     Fault("interim-100", lambda a: (b"HTTP/1.1 100 Continue\r\n\r\n" + a.whole(),), OK, "100 Continue first"),
-    Fault("interim-102", lambda a: (b"HTTP/1.1 102 Processing\r\n\r\n", 0.01, a.whole()), OK, "102 Processing first"),
+    Fault(
+        "interim-102",
+        lambda a: (b"HTTP/1.1 102 Processing\r\n\r\n", 0.01, a.whole()),
+        OK,
+        "102 Processing first",
+    ),
     Fault(
         "interim-103",
         lambda a: (b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n" + a.whole(),),
@@ -177,13 +203,29 @@ _FAULTS = (
     ),
     Fault(
         "switch-101",
-        lambda a: (b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n\x81\x05hello", 1.0, CLOSE),
+        lambda a: (
+            b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n\x81\x05hello",
+            1.0,
+            CLOSE,
+        ),
         BAD_GATEWAY,
         "101 Switching Protocols to a request that asked for no upgrade",
     ),
-    Fault("trailing-garbage", lambda a: (a.whole() + b"JUNK\r\n\r\n",), OK, "bytes past the end of the response"),
-    Fault("second-response", lambda a: (a.whole() + a.foreign(),), OK, "a second, foreign response in the same write"),
-    Fault("late-response", lambda a: (a.whole(), 0.03, a.foreign()), OK, "a foreign response 30 ms later, while idle"),
+    Fault(
+        "trailing-garbage", lambda a: (a.whole() + b"JUNK\r\n\r\n",), OK, "bytes past the end of the response"
+    ),
+    Fault(
+        "second-response",
+        lambda a: (a.whole() + a.foreign(),),
+        OK,
+        "a second, foreign response in the same write",
+    ),
+    Fault(
+        "late-response",
+        lambda a: (a.whole(), 0.03, a.foreign()),
+        OK,
+        "a foreign response 30 ms later, while idle",
+    ),
     Fault(
         "dangling-head",
         lambda a: (a.whole() + b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Le",),
@@ -234,7 +276,9 @@ _FAULTS = (
     ),
     Fault(
         "chunk-trailers",
-        lambda a: (a.head(b"200 OK", b"Trailer: X-Checksum\r\n", _CHUNKED) + _body(a, trailers=b"X-Checksum: 1\r\n"),),
+        lambda a: (
+            a.head(b"200 OK", b"Trailer: X-Checksum\r\n", _CHUNKED) + _body(a, trailers=b"X-Checksum: 1\r\n"),
+        ),
         OK,
         "a trailer section after the last chunk",
     ),
@@ -273,7 +317,13 @@ _FAULTS = (
     Fault("slow-drip", lambda a: _drip(a.whole()), OK, "the response in 24-byte writes 2 ms apart"),
     Fault(
         "close-delimited",
-        lambda a: (a.head(b"200 OK", b"Connection: close\r\n", b""), 0.005, b"".join(a.pieces()), 0.005, CLOSE),
+        lambda a: (
+            a.head(b"200 OK", b"Connection: close\r\n", b""),
+            0.005,
+            b"".join(a.pieces()),
+            0.005,
+            CLOSE,
+        ),
         OK,
         "no Content-Length, no chunking: the body ends at close",
     ),
@@ -285,7 +335,11 @@ _FAULTS = (
     ),
     Fault(
         "close-header-kept-open",
-        lambda a: (a.head(extra=b"Connection: close\r\n") + (_body(a) if a.stream else a.body()), 0.03, a.foreign()),
+        lambda a: (
+            a.head(extra=b"Connection: close\r\n") + (_body(a) if a.stream else a.body()),
+            0.03,
+            a.foreign(),
+        ),
         OK,
         "says Connection: close, keeps the socket open and sends a foreign response",
     ),

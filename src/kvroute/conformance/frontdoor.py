@@ -14,7 +14,6 @@ misbehaving upstream.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -152,11 +151,9 @@ def serve_front_door(
         argv = _kvroute("serve", "--port", str(port), "--health-interval", "0.2", *extra)
         for b in backends:
             argv += ["--backend", b]
-        env_keep = os.environ.get("PYTHONWARNINGS")
         with _process(argv, log) as proc:
             _wait_http(f"http://127.0.0.1:{port}/livez", proc, timeout_s, lambda s: s == 200)
             yield ProcessFrontDoor("127.0.0.1", port, proc, log)
-        del env_keep
 
 
 @contextlib.contextmanager

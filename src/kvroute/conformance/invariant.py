@@ -151,7 +151,9 @@ def check_forwarded(headers: Iterable[tuple[str, str]], listed: Iterable[str] = 
     pairs = [(k.lower(), v) for k, v in headers]
     names = [k for k, _ in pairs]
     out = []
-    hop = sorted({n for n in names if n in HOP_BY_HOP} | {n for n in names if n in {x.lower() for x in listed}})
+    hop = sorted(
+        {n for n in names if n in HOP_BY_HOP} | {n for n in names if n in {x.lower() for x in listed}}
+    )
     if hop:
         out.append(f"hop-by-hop headers reached the upstream: {hop}")
     n_ids = names.count("x-request-id")

@@ -75,7 +75,9 @@ class ResponseReader:
         assert self.cur is not None
         low = name.decode("latin-1").lower()
         self.cur.headers.append((low, value.decode("latin-1")))
-        if low == "content-length" or (low == "transfer-encoding" and "chunked" in value.decode("latin-1").lower()):
+        if low == "content-length" or (
+            low == "transfer-encoding" and "chunked" in value.decode("latin-1").lower()
+        ):
             self.cur.delimited = True
 
     def on_headers_complete(self) -> None:
@@ -97,7 +99,9 @@ class ResponseReader:
 
     def _finish(self, cur: _Partial, complete: bool, malformed: str = "") -> None:
         self.done.append(
-            RawResponse(cur.status, tuple(cur.headers), b"".join(cur.body), tuple(self.interim), complete, malformed)
+            RawResponse(
+                cur.status, tuple(cur.headers), b"".join(cur.body), tuple(self.interim), complete, malformed
+            )
         )
         self.interim = []
 
@@ -167,7 +171,9 @@ class ResponseReader:
         return self.eof
 
 
-async def connect(host: str, port: int, timeout_s: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def connect(
+    host: str, port: int, timeout_s: float
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A TCP connection to ``host:port`` (:class:`Hung` when it takes over ``timeout_s``)."""
     try:
         return await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)

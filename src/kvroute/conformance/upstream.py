@@ -19,6 +19,7 @@ import asyncio
 import collections
 import contextlib
 import re
+from dataclasses import dataclass
 
 import httptools
 import orjson
@@ -29,8 +30,6 @@ __all__ = ["MisbehavingUpstream", "Received"]
 
 _MARKER = re.compile(rb"conformance-fault=([a-z0-9-]+)")
 _STREAM = re.compile(rb'"stream"\s*:\s*true')
-
-from dataclasses import dataclass  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +104,9 @@ class _Conn(asyncio.Protocol):
         body = b"".join(self._body)
         m = _MARKER.search(body)
         method = self.parser.get_method().decode("latin-1")
-        rec = Received(method, self._url.decode("latin-1"), tuple(self._headers), m.group(1).decode() if m else "")
+        rec = Received(
+            method, self._url.decode("latin-1"), tuple(self._headers), m.group(1).decode() if m else ""
+        )
         self.server.received.append(rec)
         self.queue.put_nowait(_Request(rec, body))
 
@@ -170,11 +171,15 @@ class MisbehavingUpstream:
         """The steps that answer ``req``."""
         rec = req.received
         path = rec.path.split("?", 1)[0]
-        continue_ = b"HTTP/1.1 100 Continue\r\n\r\n" if any(
-            v.lower() == "100-continue" for v in rec.values("expect")
-        ) else b""
+        continue_ = (
+            b"HTTP/1.1 100 Continue\r\n\r\n"
+            if any(v.lower() == "100-continue" for v in rec.values("expect"))
+            else b""
+        )
         if rec.method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
-            answer = Answer(rec.request_id, path.endswith("chat/completions"), bool(_STREAM.search(req.body)), self.model)
+            answer = Answer(
+                rec.request_id, path.endswith("chat/completions"), bool(_STREAM.search(req.body)), self.model
+            )
             fault = FAULTS.get(rec.fault, FAULTS["none"])
             steps = fault.plan(answer)
             if continue_ and steps and isinstance(steps[0], bytes):
@@ -183,7 +188,12 @@ class MisbehavingUpstream:
         if rec.method == "GET" and path == "/health":
             return (continue_ + _simple(200, b"{}"),)
         if rec.method == "GET" and path == "/v1/models":
-            card = {"id": self.model, "object": "model", "owned_by": "kvroute-conformance", "max_model_len": 32768}
+            card = {
+                "id": self.model,
+                "object": "model",
+                "owned_by": "kvroute-conformance",
+                "max_model_len": 32768,
+            }
             return (continue_ + _simple(200, orjson.dumps({"object": "list", "data": [card]})),)
         if rec.method == "GET" and path == "/metrics":
             return (continue_ + _simple(200, self._metrics(), b"text/plain; version=0.0.4"),)
@@ -204,4 +214,10 @@ class MisbehavingUpstream:
 
 def _simple(status: int, body: bytes, ctype: bytes = b"application/json") -> bytes:
     reason = {200: b"OK", 404: b"Not Found"}[status]
-    return b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s" % (status, reason, ctype, len(body), body)
+    return b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s" % (
+        status,
+        reason,
+        ctype,
+        len(body),
+        body,
+    )

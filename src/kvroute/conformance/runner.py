@@ -10,8 +10,9 @@ fault (plain completions and streamed chat) against every misbehaving upstream.
 :meth:`Suite.run` carries out one case, waits ``settle_s`` (so bytes a misbehaving upstream sends
 late reach the front door while its connection is idle), then sends ordinary follow-ups to the same
 target: two one after another (the front door's pool hands out the connection used last first),
-then three at once. A follow-up answered 503 after an upstream's own fault is retried for up to
-``recover_s`` (the front door may have taken the upstream out of service); otherwise every one must
+then three at once. A follow-up answered 503 after a fault that breaks before the first byte
+(``Fault.ejects``: the upstream looks dead) is retried for up to ``recover_s`` (the front door may
+have taken it out of service a while); otherwise every one must
 be a 200 with its own id. Finally the front door's log since the case began must be clean.
 """
 
@@ -131,7 +132,7 @@ class Suite:
             ]
         violations = [f"{case.name}: {v}" for o in outcomes for v in self.check(o, case.target)]
         await asyncio.sleep(self.settle_s)
-        follow = await self.follow_ups(case.target, recover=not client_fault)
+        follow = await self.follow_ups(case.target, recover=not client_fault and FAULTS[case.name].ejects)
         violations += [f"follow-up: {v}" for o in follow for v in self.check(o, case.target)]
         violations += self.door.problems(since, client_fault)
         return Report(case.id, _counted(violations), len(outcomes) + len(follow))

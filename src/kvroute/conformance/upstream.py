@@ -9,7 +9,8 @@ A request picks how the answer misbehaves with a marker anywhere in its body,
 any front door untouched. Like uvicorn (and so vLLM), it answers ``Expect: 100-continue`` with an
 interim ``100 Continue`` before the final response.
 
-Every request it receives is kept (:class:`Received`: the path and the header lines as they came),
+Every request it receives is kept (:class:`Received`: the path and the header lines as they came;
+:meth:`MisbehavingUpstream.received_for` finds them by request id),
 so a suite can check what a front door forwarded. Requests on one connection are answered in order.
 """
 
@@ -107,7 +108,7 @@ class _Conn(asyncio.Protocol):
         rec = Received(
             method, self._url.decode("latin-1"), tuple(self._headers), m.group(1).decode() if m else ""
         )
-        self.server.received.append(rec)
+        self.server.keep(rec)
         self.queue.put_nowait(_Request(rec, body))
 
     def close(self) -> None:
@@ -136,6 +137,8 @@ class MisbehavingUpstream:
     def __init__(self, model: str = "faulty", kept: int = 100_000) -> None:
         self.model = model
         self.received: collections.deque[Received] = collections.deque(maxlen=kept)
+        self._by_id: dict[str, list[Received]] = {}  # X-Request-Id value -> its requests
+        self._kept = kept
         self.conns: set[_Conn] = set()
         self._server: asyncio.Server | None = None
         self.port = 0
@@ -163,9 +166,18 @@ class MisbehavingUpstream:
             await self._server.wait_closed()
             self._server = None
 
+    def keep(self, rec: Received) -> None:
+        """Keep ``rec`` (the oldest ones go beyond ``kept``)."""
+        self.received.append(rec)
+        for rid in set(rec.values("x-request-id")):
+            self._by_id.setdefault(rid, []).append(rec)
+        while len(self._by_id) > self._kept:
+            del self._by_id[next(iter(self._by_id))]
+
     def received_for(self, rid: str) -> list[Received]:
-        """The requests received whose (last) ``X-Request-Id`` is ``rid``."""
-        return [r for r in self.received if rid and any(v == rid for v in r.values("x-request-id"))]
+        """The requests received with ``rid`` among their ``X-Request-Id`` values (safe to call
+        from another thread than the server's)."""
+        return list(self._by_id.get(rid, ()))
 
     def plan(self, req: _Request) -> tuple[Step, ...]:
         """The steps that answer ``req``."""

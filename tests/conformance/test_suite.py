@@ -1,8 +1,5 @@
 """Every hostile client and every misbehaving upstream through a real ``kvroute serve``, the
-invariant on every response and on ordinary follow-ups over the same pooled connections.
-
-Bugs still open on this branch are listed in :data:`known.OPEN`: a case whose only violations are open
-bugs is an expected failure (and says which); any other violation fails it."""
+invariant on every response and on ordinary follow-ups over the same pooled connections."""
 
 from __future__ import annotations
 
@@ -12,7 +9,6 @@ from kvroute.conformance.runner import Case, Target, cases
 from kvroute.conformance.upstream import MisbehavingUpstream
 
 from .conftest import World
-from .known import explained
 
 # stand-ins to name the cases at collection (not started): the real ones live in the session's world
 _TARGETS = [Target("upstream", "faulty", MisbehavingUpstream("faulty")), Target("engine", "emu")]
@@ -30,7 +26,4 @@ def _resolve(case: Case, world: World) -> Case:
 @pytest.mark.parametrize("case", _all())
 def test_case(world: World, case: Case) -> None:
     report = world.harness.call(world.suite.run(_resolve(case, world)))
-    known, unknown = explained(case.id, report.violations)
-    assert not unknown, "\n".join(unknown)
-    if known:
-        pytest.xfail("; ".join(sorted(known)))
+    assert not report.violations, "\n".join(report.violations)

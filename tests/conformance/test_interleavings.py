@@ -21,8 +21,7 @@ from kvroute.conformance.clients import CLIENTS, Outcome, ordinary_request
 from kvroute.conformance.faults import FAULTS
 from kvroute.conformance.invariant import Expect
 from kvroute.conformance.runner import Case, Target
-
-from .conftest import World
+from kvroute.conformance.world import World
 
 
 @dataclass(frozen=True)
@@ -35,7 +34,7 @@ class _Ordinary:
 def _actions(world: World) -> st.SearchStrategy[object]:
     targets = st.sampled_from(["upstream", "engine"])
     ordinary = st.builds(_Ordinary, targets, st.booleans(), st.booleans())
-    hostile = [Case("client", c, t) for c in CLIENTS for t in (world.upstream, world.engine)]
+    hostile = [Case("client", c, t) for c in CLIENTS for t in world.targets]
     faulty = [Case("upstream", f, world.upstream, s) for f in FAULTS for s in (False, True)]
     return st.one_of(ordinary, ordinary, st.sampled_from(hostile), st.sampled_from(faulty))
 
@@ -43,7 +42,7 @@ def _actions(world: World) -> st.SearchStrategy[object]:
 async def _act(world: World, action: object) -> tuple[str, Target, list[Outcome]]:
     suite = world.suite
     if isinstance(action, _Ordinary):
-        target = world.upstream if action.target == "upstream" else world.engine
+        target = world.upstream if action.target == "upstream" or world.engine is None else world.engine
         out = await ordinary_request(suite.ctx(target), action.chat, action.stream)
         return "ordinary", target, [out]
     assert isinstance(action, Case)
@@ -56,7 +55,8 @@ async def _act(world: World, action: object) -> tuple[str, Target, list[Outcome]
     return action.id, action.target, [out]
 
 
-def test_random_interleavings(world: World) -> None:
+def test_random_interleavings(conformance_world: World) -> None:
+    world = conformance_world
     actions = _actions(world)
 
     class Interleavings(RuleBasedStateMachine):

@@ -7,8 +7,7 @@ import pytest
 
 from kvroute.conformance.runner import Case, Target, cases
 from kvroute.conformance.upstream import MisbehavingUpstream
-
-from .conftest import World
+from kvroute.conformance.world import World
 
 # stand-ins to name the cases at collection (not started): the real ones live in the session's world
 _TARGETS = [Target("upstream", "faulty", MisbehavingUpstream("faulty")), Target("engine", "emu")]
@@ -20,10 +19,12 @@ def _all() -> list[object]:
 
 def _resolve(case: Case, world: World) -> Case:
     target = world.upstream if case.target.name == "upstream" else world.engine
+    assert target is not None
     return Case(case.kind, case.name, target, case.stream)
 
 
 @pytest.mark.parametrize("case", _all())
-def test_case(world: World, case: Case) -> None:
+def test_case(conformance_world: World, case: Case) -> None:
+    world = conformance_world
     report = world.harness.call(world.suite.run(_resolve(case, world)))
     assert not report.violations, "\n".join(report.violations)

@@ -15,17 +15,16 @@ It prints one line per case and exits 1 when any case found a violation.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from kvroute.conformance.clients import CLIENTS
 from kvroute.conformance.faults import FAULTS
-from kvroute.conformance.frontdoor import FrontDoor, emulated_engine, serve_front_door
-from kvroute.conformance.runner import Harness, Report, Suite, Target, cases
-from kvroute.conformance.upstream import MisbehavingUpstream
+from kvroute.conformance.frontdoor import FrontDoorFactory, log_problems, serve_front_door
+from kvroute.conformance.runner import cases
+from kvroute.conformance.world import world
 
 
 class _External:
@@ -46,8 +45,6 @@ class _External:
     def problems(self, since: int, client_fault: bool) -> list[str]:
         if self.log is None:
             return []
-        from kvroute.conformance.frontdoor import log_problems
-
         with open(self.log, "rb") as f:
             f.seek(since)
             return log_problems(f.read().decode("utf-8", "replace"), client_fault)
@@ -74,41 +71,29 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    harness = Harness()
-    upstream = MisbehavingUpstream(args.upstream_model)
-    try:
-        harness.call(upstream.start(port=args.upstream_port))
-        with _door(args, upstream.url) as (door, engine_model):
-            targets = [Target("upstream", args.upstream_model, upstream)]
-            if engine_model:
-                targets.append(Target("engine", engine_model))
-            suite = Suite(door, timeout_s=args.timeout)
-            harness.call(suite.ready(targets))
-            failed = 0
-            clients = [] if args.no_clients else args.client
-            faults = [] if args.no_faults else args.fault
-            for case in cases(targets, clients, faults):
-                report: Report = harness.call(suite.run(case))
-                failed += bool(report.violations)
-                print(("FAIL " if report.violations else "ok   ") + report.case, flush=True)
-                for v in report.violations:
-                    print("     " + v, flush=True)
-            print(f"{failed} case(s) failed", flush=True)
-            return 1 if failed else 0
-    finally:
-        harness.call(upstream.stop())
-        harness.close()
-
-
-@contextlib.contextmanager
-def _door(args: argparse.Namespace, upstream_url: str) -> Iterator[tuple[FrontDoor, str | None]]:
     if args.url:
-        yield _External(args.url, args.log), args.engine_model
-        return
-    with emulated_engine("emu") as engine, serve_front_door([upstream_url, engine]) as door:
-        yield door, "emu"
+        external = _External(args.url, args.log)
+        factory: FrontDoorFactory = lambda urls: contextlib.nullcontext(external)  # noqa: E731
+        setup = world(
+            factory, args.engine_model, False, args.upstream_model, args.upstream_port, args.timeout
+        )
+    else:
+        setup = world(
+            serve_front_door, args.engine_model or "emu", True, args.upstream_model, 0, args.timeout
+        )
+    with setup as w:
+        failed = 0
+        clients = [] if args.no_clients else args.client
+        faults = [] if args.no_faults else args.fault
+        for case in cases(w.targets, clients, faults):
+            report = w.harness.call(w.suite.run(case))
+            failed += bool(report.violations)
+            print(("FAIL " if report.violations else "ok   ") + report.case, flush=True)
+            for v in report.violations:
+                print("     " + v, flush=True)
+        print(f"{failed} case(s) failed", flush=True)
+        return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    asyncio.set_event_loop_policy(None)
     sys.exit(main())

@@ -141,7 +141,7 @@ def _process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
 
 @contextlib.contextmanager
 def serve_front_door(
-    backends: Sequence[str], extra: Sequence[str] = (), log_dir: str | None = None, timeout_s: float = 60.0
+    backends: Sequence[str], extra: Sequence[str] = (), log_dir: str | None = None, timeout_s: float = 240.0
 ) -> Iterator[ProcessFrontDoor]:
     """``kvroute serve`` on a free loopback port in front of ``backends`` (``extra``: more flags),
     health-checked every 0.2 s; yields once its ``/livez`` answers."""
@@ -157,7 +157,7 @@ def serve_front_door(
 
 
 @contextlib.contextmanager
-def emulated_engine(model: str = "emu", time_scale: float = 50.0, timeout_s: float = 60.0) -> Iterator[str]:
+def emulated_engine(model: str = "emu", time_scale: float = 50.0, timeout_s: float = 240.0) -> Iterator[str]:
     """``kvroute engine`` serving ``model`` on a free loopback port, ``time_scale`` times faster
     than its cost model; yields its base URL once ``/health`` answers."""
     port = _free_port()

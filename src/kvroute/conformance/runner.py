@@ -103,7 +103,7 @@ class Suite:
     def ctx(self, target: Target) -> Ctx:
         return Ctx(self.door.host, self.door.port, target.model, self.timeout_s)
 
-    async def ready(self, targets: Sequence[Target], timeout_s: float = 60.0) -> None:
+    async def ready(self, targets: Sequence[Target], timeout_s: float = 180.0) -> None:
         """Wait until every target answers an ordinary request with a 200 (RuntimeError if not)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -186,7 +186,7 @@ class Harness:
         self._thread = threading.Thread(target=self.loop.run_forever, name="conformance-loop", daemon=True)
         self._thread.start()
 
-    def call(self, coro: Coroutine[Any, Any, T] | Awaitable[T], timeout_s: float = 120.0) -> T:
+    def call(self, coro: Coroutine[Any, Any, T] | Awaitable[T], timeout_s: float = 600.0) -> T:
         fut: Future[T] = asyncio.run_coroutine_threadsafe(_wrap(coro), self.loop)
         return fut.result(timeout_s)
 

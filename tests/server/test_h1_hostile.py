@@ -225,3 +225,22 @@ async def test_the_pd_relay_never_relays_a_101(transport: H1Transport) -> None:
         resp = await transport.send(up.url, "POST", "/v1/completions", b"{}", {REQUEST_ID: "hostile"})
         with pytest.raises(LegFailed, match="101"):
             await relay_whole(resp, None, {})
+
+
+async def test_pooled_connections_above_descriptor_1023_are_reused(transport: H1Transport) -> None:
+    """The reuse check works for any descriptor number (``select.select`` fails above 1023)."""
+    import resource
+    import socket
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        pytest.skip(f"needs 1200 file descriptors, the limit is {soft}")
+    held = [socket.socket() for _ in range(1100)]  # push the next descriptors above 1023
+    try:
+        async with RawUpstream(lambda req: [answer(req)]) as up:
+            for i in range(3):
+                assert await call(transport, up.url, f"r{i}") == (200, own(f"r{i}"))
+            assert up.connections == 1
+    finally:
+        for s in held:
+            s.close()

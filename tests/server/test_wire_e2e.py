@@ -321,3 +321,91 @@ async def test_an_unknown_expectation_is_a_json_417_and_never_reaches_the_engine
             assert not [r for r in up.requests if r.head.startswith(b"POST")]
         finally:
             await router.stop()
+
+
+P_ANSWER = ok(
+    b'{"id":"cmpl-p","object":"text_completion","choices":[{"index":0,"text":"x"}],'
+    b'"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"p"},'
+    b'"usage":{"prompt_tokens":9,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":0}}}'
+)
+
+
+def engine_script(post_steps):  # type: ignore[no-untyped-def]
+    """A raw engine for the P/D router: ``post_steps(rid)`` answers a POST."""
+
+    def script(req: RawRequest) -> Sequence[Step]:
+        if req.head.startswith(b"GET /v1/models"):
+            return [ok(MODELS)]
+        if req.head.startswith(b"GET"):
+            return [ok(b"", "text/plain")]
+        return post_steps((req.values("x-request-id") or ["?"])[0])
+
+    return script
+
+
+async def pd_router(tokenizer: Tokenizer, p_url: str, d_url: str):  # type: ignore[no-untyped-def]
+    from kvroute.engine.cost import LinearCostModel
+    from kvroute.engine.transfer import TransferModel
+    from kvroute.server.pd import PDBackend, PDConfig, PDServer
+
+    cost = LinearCostModel("test-linear", decode_s_per_seq=0.01, prefill_s_per_token=2e-5)
+    cfg = PDConfig((PDBackend(p_url),), (PDBackend(d_url),), conditional=False)
+    router = PDServer(cfg, tokenizer, cost, TransferModel(100_000.0, 100e9))
+    port = await router.start("127.0.0.1", 0)
+    return router, port
+
+
+PD_BODY = {"model": "emu", "prompt": "The quick brown fox " * 20, "max_tokens": 4}
+
+
+async def test_pd_router_never_serves_a_late_decode_response_to_the_next_client(tokenizer: Tokenizer) -> None:
+    """The P/D router's upstream client: a decode engine that sends a stray response while the
+    connection idles in the pool must not answer the next client (aiohttp's client served it)."""
+    stray = ok(b'{"id":"cmpl-stray","choices":[{"text":"not yours"}]}')
+
+    def decode(rid: str) -> Sequence[Step]:
+        return [ok(b'{"id":"cmpl-%s","choices":[{"text":"x"}]}' % rid.encode()), 0.05, stray]
+
+    async with (
+        RawUpstream(engine_script(lambda rid: [P_ANSWER])) as p,
+        RawUpstream(engine_script(decode)) as d,
+    ):
+        router, port = await pd_router(tokenizer, p.url, d.url)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
+                for rid in ("pdone", "pdtwo", "pdthree"):
+                    async with s.post(
+                        f"http://127.0.0.1:{port}/v1/completions", json=PD_BODY, headers={"X-Request-Id": rid}
+                    ) as r:
+                        data = await r.read()
+                        assert r.status == 200, data
+                    assert completion_ids(data) == {f"cmpl-{rid}".encode()}, data
+                    await asyncio.sleep(0.3)  # the stray response arrives while the connection idles
+        finally:
+            await router.stop()
+
+
+@pytest.mark.parametrize("leg", ["prefill", "decode"])
+async def test_pd_router_never_relays_a_101(tokenizer: Tokenizer, leg: str) -> None:
+    upgrade = [b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n", 0.2]
+
+    def decode(rid: str) -> Sequence[Step]:
+        return (
+            upgrade if leg == "decode" else [ok(b'{"id":"cmpl-%s","choices":[{"text":"x"}]}' % rid.encode())]
+        )
+
+    def prefill(rid: str) -> Sequence[Step]:
+        return upgrade if leg == "prefill" else [P_ANSWER]
+
+    async with RawUpstream(engine_script(prefill)) as p, RawUpstream(engine_script(decode)) as d:
+        router, port = await pd_router(tokenizer, p.url, d.url)
+        try:
+            raw = await raw_exchange(port, post(PD_BODY, "X-Request-Id: pd101"))
+            status, interim, data = final_answer(raw)
+            assert interim == [] and status != 101, raw[:200]
+            if status != 200:  # no decode answered: a JSON 502
+                assert status == 502 and "error" in orjson.loads(data), raw[:300]
+            else:  # P failed: D alone answered
+                assert completion_ids(data) == {b"cmpl-pd101"}, data
+        finally:
+            await router.stop()

@@ -65,11 +65,11 @@ from kvroute.server.observe.observer import request_id
 from kvroute.server.state.backends import parse_vllm_metrics
 from kvroute.server.state.pdpools import ROLES, PDBackend, PDChanges, PDInstance, PDMembership
 from kvroute.server.sync.discovery import ParseBackends, Resolver, Source, make_source
+from kvroute.server.wire.h1 import H1Transport
 from kvroute.server.wire.http import expect_continue
 from kvroute.server.wire.httperrors import JsonErrorRunner, RateLimitedLog, json_errors
 from kvroute.server.wire.pdrelay import LegFailed, relay_stream, relay_whole
 from kvroute.server.wire.transport import (
-    AiohttpTransport,
     Transport,
     UpstreamBrokenError,
     UpstreamConnectError,
@@ -162,7 +162,7 @@ class PDServer:
         self.config = config
         self.tokenizer = RequestTokenizer(tokenizer)
         self.clock = clock
-        self.transport = transport or AiohttpTransport(connect_timeout_s=config.connect_timeout_s)
+        self.transport = transport or H1Transport(connect_timeout_s=config.connect_timeout_s)
         cores = {}
         for role in ROLES:
             kv = KVView(0, config.block_size, capacity_blocks=16384, ttl_s=None, recovery_s=0.0)
@@ -526,13 +526,13 @@ class PDServer:
                 whole = False
                 try:
                     data = await resp.read()
-                    whole = resp.status < 500
+                    whole = 200 <= resp.status < 500
                 finally:
                     if whole:
                         resp.release()
                     else:  # a 5xx, a broken body, or the client gone: drop the connection (P aborts)
                         resp.abort()
-                if resp.status >= 500:
+                if not 200 <= resp.status < 500:  # a 5xx, or no final answer (a 101)
                     raise LegFailed(f"HTTP {resp.status}")
             except (
                 LegFailed,
@@ -609,7 +609,7 @@ class PDServer:
                     resp = await self._send(url, path, raw, rid)
                 except (UpstreamConnectError, aiohttp.ClientError, OSError) as exc:
                     raise LegFailed(str(exc)) from None
-                if resp.status >= 500:
+                if not 200 <= resp.status < 500:  # a 5xx, or no final answer (a 101)
                     resp.abort()
                     raise LegFailed(f"HTTP {resp.status}")
                 inst.start(key)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import sys
 from typing import Any
@@ -63,16 +64,18 @@ def split_role(source: str) -> tuple[str | None, str]:
 
 def pd_config(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     """(PDConfig, tokenizer, cost model, transfer model) from the flags and the config file."""
-    from kvroute.commands.serve import _pairs
+    from kvroute.commands.serve import _pairs, limit_overrides
     from kvroute.commands.settings import load_config_file
     from kvroute.engine.cost import DEFAULT_PROFILE, get_profile
     from kvroute.engine.transfer import DEFAULT_BANDWIDTH_GBPS, TransferModel
     from kvroute.policies.registry import make_policy
+    from kvroute.server.app import client_limits
     from kvroute.server.config import RouterConfig, parse_backend_url
     from kvroute.server.pd import PDBackend, PDConfig
     from kvroute.tokenizer import load_tokenizer
 
     base = load_config_file(args.config) if args.config else RouterConfig(backends=())
+    base = dataclasses.replace(base, **limit_overrides(args))
     if args.backend:
         raise UserError("--backend is for a colocated fleet; in P/D mode give --prefill and --decode")
     from kvroute.commands.settings import backends_from_text
@@ -126,6 +129,8 @@ def pd_config(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         discover=discover,
         discover_interval_s=getattr(args, "discover_interval", None) or base.discover_interval_s,
         discover_kv_events=kv_template,
+        limits=client_limits(base),
+        max_prompt_tokens=base.max_prompt_tokens,
     )
     try:
         cfg.check()

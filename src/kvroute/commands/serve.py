@@ -43,7 +43,15 @@ _SIMPLE = {
     "access_log": "access_log",
     "record": "record",
     "otel": "otel",
+    "max_connections": "max_connections",
+    "header_timeout": "header_timeout_s",
+    "body_timeout": "body_timeout_s",
+    "keepalive_timeout": "keepalive_timeout_s",
+    "write_timeout": "write_timeout_s",
+    "max_prompt_tokens": "max_prompt_tokens",
+    "parse_offload": "parse_offload",
 }
+_LIMITS = ("max_connections", "header_timeout", "body_timeout", "keepalive_timeout", "write_timeout")
 
 ADMIN_TOKEN_ENV = "KVROUTE_ADMIN_TOKEN"
 """The admin API's bearer token when ``--admin-token`` is not given (keeps it out of ``ps``)."""
@@ -164,11 +172,49 @@ def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> N
         help=f"turn the admin API on (/admin/backends), with this bearer token (or set {ADMIN_TOKEN_ENV}); "
         "without one the admin API is off",
     )
+    add_limit_arguments(p)
     add_peer_arguments(p)
     add_observe_arguments(p)
     from kvroute.commands.settings import add_feature_arguments
 
     add_feature_arguments(p)
+
+
+def add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    """Limits on clients (kvroute.server.wire.limits); also the config's keys of the same names."""
+    g = p.add_argument_group("limits on clients (also the config's max_connections, *_timeout_s, ... keys)")
+    g.add_argument(
+        "--max-connections",
+        type=int,
+        metavar="N",
+        help="client connections at once (default 1024); beyond: 503",
+    )
+    for flag, default, what in (
+        ("header", 10, "for a request's head, from its first byte; then 408 and closed"),
+        ("body", 60, "for a request's body, from its head; then 408 and closed"),
+        ("keepalive", 75, "an idle client connection is kept open"),
+        ("write", 30, "for a client to take a write of its stream; then the request is ended"),
+    ):
+        g.add_argument(
+            f"--{flag}-timeout", type=seconds, metavar="S", help=f"seconds {what} (default {default})"
+        )
+    g.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        metavar="N",
+        help="longest prompt when no backend lists max_model_len (default 262144); beyond: 400",
+    )
+    g.add_argument(
+        "--parse-offload",
+        choices=("process", "thread", "off"),
+        help="where bodies of 1 MiB or more are parsed: a worker process (default), a thread, or the loop",
+    )
+
+
+def limit_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The limit flags given (RouterConfig field → value), for P/D mode."""
+    names = (*_LIMITS, "max_prompt_tokens")
+    return {_SIMPLE[n]: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
 def add_peer_arguments(p: argparse.ArgumentParser) -> None:

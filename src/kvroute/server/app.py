@@ -47,7 +47,8 @@ from kvroute.server.sync.peers import PeerCollector, PeerLink, PeerSettings
 from kvroute.server.sync.scrape import Scraper, ScraperCollector, ScrapeSchedule
 from kvroute.server.wire.h1 import H1Transport
 from kvroute.server.wire.http import error_response, expect_continue
-from kvroute.server.wire.httperrors import JsonErrorRunner, RateLimitedLog, json_errors
+from kvroute.server.wire.httperrors import RateLimitedLog, json_errors
+from kvroute.server.wire.limits import ClientLimits, LimitedRunner
 from kvroute.server.wire.transport import Transport, UpstreamError
 from kvroute.server.wire.validate import ApiError
 from kvroute.tokenizer import Tokenizer, load_tokenizer
@@ -64,6 +65,18 @@ SYNC_WAIT_S = 1.5
 """At start, how long (seconds) the router waits for its engines' KV event replays (asked for on
 subscribe) before it returns from :meth:`RouterServer.start`; an engine that does not answer by then
 is routed approximately until its replay or its events arrive."""
+
+
+def client_limits(cfg: RouterConfig) -> ClientLimits:
+    """The limits on the router's client connections, from its config."""
+    return ClientLimits(
+        cfg.max_connections,
+        cfg.header_timeout_s,
+        cfg.body_timeout_s,
+        cfg.keepalive_timeout_s,
+        cfg.write_timeout_s,
+        cfg.retry_after_s,
+    )
 
 
 class RouterServer:
@@ -186,8 +199,12 @@ class RouterServer:
 
     async def start(self) -> str:
         """Bind and start; returns the base URL (``http://host:port``)."""
-        runner = JsonErrorRunner(
-            self.make_app(), self.bad_requests, access_log=None, handler_cancellation=True
+        runner = LimitedRunner(
+            self.make_app(),
+            client_limits(self.config),
+            self.bad_requests,
+            access_log=None,
+            handler_cancellation=True,
         )
         await runner.setup()
         site = web.TCPSite(

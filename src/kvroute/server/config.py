@@ -17,6 +17,14 @@ The command-line flags and the YAML file that build it are read by :mod:`kvroute
     tokenize: exact                           # or defer: see RouterConfig.tokenize
     block_size: 16
     max_body_bytes: 33554432
+    max_connections: 1024                     # client connections at once; beyond: a JSON 503
+    header_timeout_s: 10.0                    # a request's head, from its first byte; then 408, closed
+    body_timeout_s: 60.0                      # its whole body, from the end of the head; then 408, closed
+    keepalive_timeout_s: 75.0                 # an idle client connection is closed after this
+    write_timeout_s: 30.0                     # a client that stops reading: its request is ended
+    max_prompt_tokens: 262144                 # when no backend lists max_model_len; beyond: a 400
+    parse_offload: process                    # bodies from parse_offload_bytes parsed off the loop
+    parse_offload_bytes: 1048576
     scrape_interval_s: 0.05                   # while load moves; up to scrape_idle_interval_s (1.0) idle
     health_interval_s: 1.0
     drain_grace_s: 2.0                        # SIGTERM: /health 503 at once, new requests refused after
@@ -62,6 +70,7 @@ __all__ = ["BackendSpec", "RouterConfig", "parse_backend_url", "parse_peer_endpo
 
 
 TOKENIZE_MODES = ("defer", "exact")  # RouterConfig.tokenize
+OFFLOAD_MODES = ("process", "thread", "off")  # RouterConfig.parse_offload
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +154,27 @@ class RouterConfig:
       (``tcp://HOST:PORT``), announce this one's to ``peers`` (``tcp://HOST:PORT`` or
       ``dns://NAME:PORT``, every address of NAME); a re-announcement every ``peer_refresh_s`` seconds
       heals lost messages, a peer silent for ``peer_expiry_s`` seconds is forgotten.
+    - Limits on clients (each client connection; see :mod:`kvroute.server.wire.limits`):
+      ``max_connections`` client connections at once per router process (each ``--workers`` worker
+      has its own); a connection beyond it is answered a JSON 503 (``Retry-After``) and closed.
+      ``header_timeout_s``: a request's head (request line and headers) must be complete this many
+      seconds after its first byte, else a JSON 408 and the connection is closed.
+      ``body_timeout_s``: its whole body must arrive within this many seconds of the head, else a
+      JSON 408 and the connection is closed. ``keepalive_timeout_s``: a connection with no request
+      in progress and no byte of the next one (from its opening, or from the end of the last
+      response) is closed after this many seconds. ``write_timeout_s``: a write to the client that
+      cannot complete for this many seconds (the client stopped reading its stream) ends the
+      request: the engine's request is aborted (its upstream connection is closed), the lease is
+      released and the client's connection is closed.
+    - ``max_prompt_tokens``: the longest prompt (tokens) routed when no backend's ``/v1/models``
+      lists a ``max_model_len``; when some do, the largest of theirs minus one is the cap (vLLM
+      refuses a prompt of ``max_model_len`` tokens or more). A longer prompt is a 400, checked
+      before its blocks are hashed (token ids: before they are checked one by one).
+    - ``parse_offload``, ``parse_offload_bytes``: a request body of at least ``parse_offload_bytes``
+      bytes is parsed and checked off the event loop: ``"process"`` (default) in a worker process
+      (JSON parsing holds the GIL, so a thread would still stall the loop), ``"thread"`` on a
+      worker thread, ``"off"`` on the loop. Token-id prompts that long are chain-hashed on the
+      worker thread too. See :mod:`kvroute.server.stages.parse`.
     - ``explain``, ``decisions_kept``, ``access_log``, ``shadow``, ``otel``: seeing decisions (see
       :mod:`kvroute.server.observe.observer`): explanation headers on every response, the size of the decision
       ring buffer (``GET /debug/decisions``), the JSON-lines access log (None: off; ``-``: stdout),
@@ -160,6 +190,14 @@ class RouterConfig:
     chat_template: str | None = None
     block_size: int = 16
     max_body_bytes: int = 32 * 1024 * 1024
+    max_connections: int = 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keepalive_timeout_s: float = 75.0
+    write_timeout_s: float = 30.0
+    max_prompt_tokens: int = 262144
+    parse_offload: str = "process"
+    parse_offload_bytes: int = 1024 * 1024
     scrape_interval_s: float = 0.05
     scrape_idle_interval_s: float = 1.0
     scrape_stale_s: float = 1.0
@@ -261,6 +299,13 @@ class RouterConfig:
             ("workers", 1 <= self.workers <= 256),
             ("decisions_kept", 1 <= self.decisions_kept <= 1_000_000),
             ("models_interval_s", 0 < self.models_interval_s < float("inf")),
+            ("max_connections", 1 <= self.max_connections <= 1_000_000),
+            ("header_timeout_s", 0 < self.header_timeout_s < float("inf")),
+            ("body_timeout_s", 0 < self.body_timeout_s < float("inf")),
+            ("keepalive_timeout_s", 0 < self.keepalive_timeout_s < float("inf")),
+            ("write_timeout_s", 0 < self.write_timeout_s < float("inf")),
+            ("max_prompt_tokens", self.max_prompt_tokens >= 1),
+            ("parse_offload_bytes", self.parse_offload_bytes >= 0),
         ]
         for name, ok in checks:
             if not ok:
@@ -270,6 +315,10 @@ class RouterConfig:
             from kvroute.routing.shadow import parse_shadow_names
 
             parse_shadow_names(self.shadow)
+        if self.parse_offload not in OFFLOAD_MODES:
+            raise UserError(
+                f"config: parse_offload={self.parse_offload!r} must be one of {', '.join(OFFLOAD_MODES)}"
+            )
         if self.tokenize not in TOKENIZE_MODES:
             raise UserError(f"config: tokenize={self.tokenize!r} must be one of {', '.join(TOKENIZE_MODES)}")
         return self

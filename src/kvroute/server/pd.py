@@ -42,7 +42,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -67,7 +67,8 @@ from kvroute.server.state.pdpools import ROLES, PDBackend, PDChanges, PDInstance
 from kvroute.server.sync.discovery import ParseBackends, Resolver, Source, make_source
 from kvroute.server.wire.h1 import H1Transport
 from kvroute.server.wire.http import expect_continue
-from kvroute.server.wire.httperrors import JsonErrorRunner, RateLimitedLog, json_errors
+from kvroute.server.wire.httperrors import RateLimitedLog, json_errors
+from kvroute.server.wire.limits import ClientLimits, LimitedRunner, read_body_within
 from kvroute.server.wire.pdrelay import LegFailed, relay_stream, relay_whole
 from kvroute.server.wire.transport import (
     Transport,
@@ -75,7 +76,7 @@ from kvroute.server.wire.transport import (
     UpstreamConnectError,
     UpstreamResponse,
 )
-from kvroute.server.wire.validate import ApiError, ParsedRequest, error_body, parse_request
+from kvroute.server.wire.validate import ApiError, ParsedRequest, error_body, parse_request, too_long
 from kvroute.tokenizer import Tokenizer
 
 __all__ = ["PDBackend", "PDConfig", "PDServer"]  # PDBackend lives in state/pdpools, re-exported here
@@ -100,7 +101,9 @@ class PDConfig:
     sources as (role, source): role ``"prefill"``/``"decode"`` with ``dns://NAME:PORT`` or
     ``file://PATH``, or None with ``file://PATH`` whose backends carry their ``role``; checked every
     ``discover_interval_s`` s; ``discover_kv_events``: a DNS-discovered instance's KV event endpoint
-    (``{host}`` template; None: approximate view)."""
+    (``{host}`` template; None: approximate view). ``limits``: the client connections' cap and
+    timeouts, as in colocated mode (:mod:`kvroute.server.wire.limits`); ``max_prompt_tokens``: a
+    longer prompt is a 400, checked before it is hashed."""
 
     prefill: tuple[PDBackend, ...]
     decode: tuple[PDBackend, ...]
@@ -115,6 +118,10 @@ class PDConfig:
     discover: tuple[tuple[str | None, str], ...] = ()
     discover_interval_s: float = 5.0
     discover_kv_events: str | None = None
+    limits: ClientLimits = field(
+        default_factory=ClientLimits
+    )  # client connections: cap and timeouts (wire.limits)
+    max_prompt_tokens: int = 262144  # the longest prompt routed (tokens); beyond it a 400
 
     def check(self) -> None:
         if not self.decode and not any(role in (None, "decode") for role, _ in self.discover):
@@ -131,6 +138,14 @@ class PDConfig:
         urls = [b.url for b in (*self.prefill, *self.decode)]
         if len(set(urls)) != len(urls):
             raise ValueError("an instance may be listed once, as --prefill or as --decode")
+        lim = self.limits
+        timeouts = (lim.header_timeout_s, lim.body_timeout_s, lim.keepalive_timeout_s, lim.write_timeout_s)
+        if (
+            lim.max_connections < 1
+            or self.max_prompt_tokens < 1
+            or not all(0 < t < float("inf") for t in timeouts)
+        ):
+            raise ValueError("max_connections, max_prompt_tokens and the client timeouts must be positive")
         if self.block_size <= 0 or self.max_retries < 0 or self.scrape_interval <= 0:
             raise ValueError("block size and scrape interval must be positive, max retries >= 0")
 
@@ -210,8 +225,8 @@ class PDServer:
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        runner = JsonErrorRunner(
-            self.make_app(), self.bad_requests, handler_cancellation=True, access_log=None
+        runner = LimitedRunner(
+            self.make_app(), self.config.limits, self.bad_requests, handler_cancellation=True, access_log=None
         )
         await runner.setup()
         site = web.TCPSite(runner, host, port)
@@ -378,7 +393,8 @@ class PDServer:
         return await self._handle(request, chat=True, path="/v1/chat/completions")
 
     def _prepare(self, raw: bytes, chat: bool) -> tuple[ParsedRequest, dict[str, Any], list[int]]:
-        parsed = parse_request(raw, chat)
+        cap = self.config.max_prompt_tokens
+        parsed = parse_request(raw, chat, cap)
         body = orjson.loads(raw)
         try:
             if chat:
@@ -393,17 +409,23 @@ class PDServer:
             raise ApiError(400, f"cannot tokenize the request: {exc}") from None
         if not ids:
             raise ApiError(400, "the prompt is empty", "prompt")
+        if len(ids) > cap:
+            raise too_long(len(ids), cap)
         return parsed, body, ids
 
     async def _handle(self, request: web.Request, chat: bool, path: str) -> web.StreamResponse:
         rid = request_id(request.headers)
         headers = {"x-request-id": rid}
         try:
-            raw = await request.read()
+            limits = self.config.limits
+            raw = await read_body_within(request, self.config.max_body_bytes, limits.body_timeout_s)
             parsed, body, ids = self._prepare(raw, chat)
             chain = tuple(hash_blocks(ids, self.config.block_size, extra_key(None, parsed.cache_salt)))
         except ApiError as err:
-            return _json_error(err, headers)
+            resp = _json_error(err, headers)
+            if err.close:
+                resp.force_close()
+            return resp
         rr = RouteRequest(chain, len(ids), parsed.max_tokens, user=parsed.user)
         if not self.pools["decode"]:
             return _json_error(ApiError(503, "no decode instance is known yet"), headers)
@@ -616,7 +638,9 @@ class PDServer:
                 headers["x-kvroute-retries"] = str(record["retries"])
                 if resp.status != 200 or not stream:
                     return await relay_whole(resp, p_cached, headers)
-                return await relay_stream(request, resp, p_cached, headers)
+                return await relay_stream(
+                    request, resp, p_cached, headers, self.config.limits.write_timeout_s
+                )
             except LegFailed as exc:
                 log.warning("decode %s failed for %s: %s", url, rid, exc)
                 record["retries"] += 1

@@ -1,7 +1,8 @@
 """One request's trip through the live router, as its stages: parse → prepare → decide → reserve →
 forward → relay → settle (:meth:`Proxy.handle` reads top to bottom that way).
 
-- **parse** (:func:`~kvroute.server.wire.validate.parse_request`): the body, bounded and checked;
+- **parse** (:mod:`.stages.parse`): the body, bounded (size, time) and checked, off the event loop
+  when large; the prompt capped (:func:`~.stages.prepare.prompt_cap`);
 - **prepare** (:mod:`.stages.prepare`): token ids and block chain (tokenized now, on the worker thread,
   or deferred);
 - **decide** (:mod:`.stages.decide`): the routing core's decision as a frozen plan (the retry order);
@@ -41,15 +42,17 @@ from kvroute.server.observe.observer import REQUEST_ID_HEADER, Observer, request
 from kvroute.server.observe.recording import TrafficRecording
 from kvroute.server.stages.decide import decide
 from kvroute.server.stages.forward import forward, reserve, sent, takes
-from kvroute.server.stages.prepare import Prepared, Tail, prepare
+from kvroute.server.stages.parse import BodyParser
+from kvroute.server.stages.prepare import Prepared, Tail, prepare, prompt_cap
 from kvroute.server.stages.settle import refuse, settle, unavailable
 from kvroute.server.stages.wait import WaitingRoom
 from kvroute.server.state.backends import BackendState, Lease
 from kvroute.server.state.router import RouterState
-from kvroute.server.wire.http import error_response, forward_headers, read_body
+from kvroute.server.wire.http import error_response, forward_headers
+from kvroute.server.wire.limits import read_body_within
 from kvroute.server.wire.relay import BROKEN, relay, shutting_down
 from kvroute.server.wire.transport import Transport, UpstreamConnectError
-from kvroute.server.wire.validate import ApiError, parse_request
+from kvroute.server.wire.validate import ApiError
 
 __all__ = ["STAGES", "Proxy"]
 
@@ -91,6 +94,8 @@ class Proxy:
         # Long prompts are tokenized on one worker thread (HF tokenizers releases the GIL), so the
         # event loop keeps relaying other streams meanwhile; threads start on first use.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-tokenize")
+        # large bodies are parsed (and long token-id prompts hashed) off the loop (stages.parse)
+        self.parser = BodyParser(state.config.parse_offload, state.config.parse_offload_bytes)
         self.refusing = False  # shutting down: new requests get a 503
         self._aborting = False  # shutting down: the handlers in flight are being cancelled
         self._inflight: set[asyncio.Task[object]] = set()  # handler tasks of the requests in flight
@@ -132,8 +137,9 @@ class Proxy:
         return self._aborting
 
     def close(self) -> None:
-        """Stop the tokenizer thread (pending work is finished first)."""
+        """Stop the tokenizer thread (pending work is finished first) and the parse worker."""
         self._tokenize_pool.shutdown(wait=True)
+        self.parser.close()
 
     # ---- handlers ----------------------------------------------------------------------------
 
@@ -178,11 +184,16 @@ class Proxy:
         arrival = clock()
         rid = request_id(request.headers)
         try:
-            raw = await read_body(request, state.config.max_body_bytes)
+            cfg = state.config
+            raw = await read_body_within(request, cfg.max_body_bytes, cfg.body_timeout_s)
             t0 = clock()
-            parsed = parse_request(raw, chat)  # parse
+            cap = prompt_cap(state)
+            body = await self.parser.parse(
+                raw, chat, cap, cfg.block_size, lambda: state.pools.adapters
+            )  # parse
+            parsed = body.request
             t1 = clock()
-            prep = await prepare(state, parsed, self._tokenize_pool)  # prepare
+            prep = await prepare(state, parsed, self._tokenize_pool, cap, body.chain)  # prepare
             waiting = self.waiting
             hold = None
             if waiting is None:
@@ -191,7 +202,10 @@ class Proxy:
                 plan, hold = await waiting.decide(parsed, prep, request.headers)  # decide, wait
             t5 = clock() - plan.decision.queued_s  # routing time without the wait
         except ApiError as err:
-            return refuse(state, obs, err, rid, path, arrival)
+            resp = refuse(state, obs, err, rid, path, arrival)
+            if err.close:  # the rest of the request is never read: the connection cannot go on
+                resp.force_close()
+            return resp
         self._timed(t0, t1, prep, t5)
         tail = None
         if prep.pending is not None:  # tokenize=defer: the new text is tokenized on the way
@@ -242,6 +256,7 @@ class Proxy:
                         lease.first_byte if waiting is None else self._first_byte(lease),
                         after,
                         self._draining,
+                        state.config.write_timeout_s,
                     )
                 finally:
                     self._release(lease)

@@ -6,8 +6,8 @@ pieces (:class:`~kvroute.prepare.chainmemo.ChainMemo`). With ``tokenize: defer``
 not tokenized now: the request is routed on its known blocks and an estimate of the rest, and a
 :class:`Tail` tokenizes the text once the request is on its way (see there).
 
-Errors: ApiError(400) for content the tokenizer or the chat template rejects, or token ids outside
-[0, 2**32).
+Errors: ApiError(400) for content the tokenizer or the chat template rejects, token ids outside
+[0, 2**32), or a prompt longer than :func:`prompt_cap` (checked before hashing).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from kvroute.prepare.chainmemo import Piece
 from kvroute.prepare.tokenize import Pending
 from kvroute.server.state.backends import Lease
 from kvroute.server.state.router import RouterState
-from kvroute.server.wire.validate import ApiError, ParsedRequest
+from kvroute.server.wire.validate import ApiError, ParsedRequest, too_long
 
 __all__ = [
     "DEFER_CHARS",
@@ -38,6 +38,7 @@ __all__ = [
     "hashed",
     "prepare",
     "prepare_inline",
+    "prompt_cap",
     "split",
 ]
 
@@ -94,6 +95,14 @@ def extra_key(state: RouterState, req: ParsedRequest) -> str | bytes | None:
     return block_extra_key(adapter, req.cache_salt)
 
 
+def prompt_cap(state: RouterState) -> int:
+    """The longest prompt routed, in tokens: one less than the largest ``max_model_len`` the
+    backends' ``/v1/models`` list (vLLM refuses a prompt that long), else the config's
+    ``max_prompt_tokens``."""
+    longest = state.pools.max_model_len()
+    return longest - 1 if longest > 1 else state.config.max_prompt_tokens
+
+
 def defers(state: RouterState) -> bool:
     """Route before tokenizing new text (``config.tokenize == "defer"``, features off)."""
     return state.config.tokenize == "defer" and state.guard is None
@@ -128,11 +137,21 @@ def hashed(
         raise ApiError(400, f"invalid token ids: {exc}", "prompt") from None
 
 
-async def prepare(state: RouterState, req: ParsedRequest, pool: ThreadPoolExecutor) -> Prepared:
-    """``req``'s tokens and chain (module docstring); ``pool``: the worker thread for long texts.
-    Mutates the token cache and the chain memo only."""
+async def prepare(
+    state: RouterState,
+    req: ParsedRequest,
+    pool: ThreadPoolExecutor,
+    cap: int = 0,
+    chain: tuple[int, ...] | None = None,
+) -> Prepared:
+    """``req``'s tokens and chain (module docstring); ``pool``: the worker thread for long texts;
+    ``cap``: the most prompt tokens (0: no cap), checked before hashing; ``chain``: the chain of a
+    token-id prompt the parse stage hashed already. Mutates the token cache and the chain memo only."""
     clock = time.perf_counter
     key = extra_key(state, req)
+    if chain is not None and req.prompt is not None and not isinstance(req.prompt, str):
+        now = clock()
+        return Prepared(key, req.prompt, chain, 0, None, now, now, now)
     pending = split(state, req)
     t_split = clock()
     if pending.tail_chars >= DEFER_CHARS and defers(state):
@@ -145,8 +164,12 @@ async def prepare(state: RouterState, req: ParsedRequest, pool: ThreadPoolExecut
     else:
         pieces = state.tokenizer.finish_pieces(pending)
     t_tok = clock()
-    ids, chain = hashed(state, pieces, pending.suffix, key)
-    return Prepared(key, ids, chain, 0, None, t_split, t_tok, clock())
+    if cap:
+        n = sum(len(part) for _, part in pieces) + len(pending.suffix)
+        if n > cap:
+            raise too_long(n, cap)
+    ids, whole = hashed(state, pieces, pending.suffix, key)
+    return Prepared(key, ids, whole, 0, None, t_split, t_tok, clock())
 
 
 def prepare_inline(state: RouterState, req: ParsedRequest) -> Prepared:

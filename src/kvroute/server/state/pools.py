@@ -33,11 +33,13 @@ __all__ = ["ModelPools", "ServedModels", "model_not_found", "parse_model_list"]
 @dataclass(frozen=True, slots=True)
 class ServedModels:
     """What one backend serves: ``models`` every id (base models and adapters), ``adapters`` the LoRA
-    adapters among them; ``declared``: from the config (never refreshed)."""
+    adapters among them; ``declared``: from the config (never refreshed); ``max_model_len``: the
+    largest context length (tokens) its cards list (vLLM's ``max_model_len``; 0: none listed)."""
 
     models: frozenset[str]
     adapters: frozenset[str] = frozenset()
     declared: bool = False
+    max_model_len: int = 0
 
 
 def parse_model_list(body: Any) -> ServedModels | None:
@@ -48,15 +50,19 @@ def parse_model_list(body: Any) -> ServedModels | None:
         return None
     models: set[str] = set()
     adapters: set[str] = set()
+    longest = 0
     for card in data:
         if not isinstance(card, dict) or not isinstance(card.get("id"), str):
             continue
         mid = card["id"]
         models.add(mid)
+        n = card.get("max_model_len")
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            longest = max(longest, n)
         parent = card.get("parent")
         if isinstance(parent, str) and parent != mid:
             adapters.add(mid)
-    return ServedModels(frozenset(models), frozenset(adapters))
+    return ServedModels(frozenset(models), frozenset(adapters), max_model_len=longest)
 
 
 def model_not_found(model: str, served: Sequence[str]) -> ApiError:
@@ -115,6 +121,15 @@ class ModelPools:
     def known(self) -> bool:
         """Some backend's models are known (pools are in use)."""
         return bool(self._served)
+
+    @property
+    def adapters(self) -> frozenset[str]:
+        """The LoRA adapters of every backend."""
+        return self._adapters
+
+    def max_model_len(self) -> int:
+        """The largest context length (tokens) any backend's /v1/models lists; 0 when none does."""
+        return max((s.max_model_len for s in self._served.values()), default=0)
 
     def is_adapter(self, model: str | None) -> bool:
         """``model`` is a LoRA adapter on some backend."""

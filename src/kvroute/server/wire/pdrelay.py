@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from kvroute.server.wire.limits import write_within
 from kvroute.server.wire.transport import UpstreamBrokenError, UpstreamResponse
 
 __all__ = ["LegFailed", "relay_stream", "relay_whole", "rewrite_event", "set_cached"]
@@ -71,8 +72,15 @@ async def relay_whole(resp: UpstreamResponse, p_cached: int | None, headers: dic
 
 
 async def relay_stream(
-    request: web.Request, resp: UpstreamResponse, p_cached: int | None, headers: dict[str, str]
+    request: web.Request,
+    resp: UpstreamResponse,
+    p_cached: int | None,
+    headers: dict[str, str],
+    write_timeout_s: float = 30.0,
 ) -> web.StreamResponse:
+    """D's stream to the client, with P's cached tokens in its usage. A write the client does not
+    take within ``write_timeout_s`` seconds aborts its connection and raises ConnectionResetError
+    (:func:`kvroute.server.wire.limits.write_within`): the caller aborts D's request."""
     out = web.StreamResponse(
         status=200, headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -81,18 +89,19 @@ async def relay_stream(
     try:
         async for chunk in resp.iter_chunks():
             if p_cached is None:
-                await out.write(chunk)
+                await write_within(out, request, chunk, write_timeout_s)
                 continue
             buf += chunk
             *events, buf = buf.split(b"\n\n")
             if events:
-                await out.write(b"".join(rewrite_event(e, p_cached) + b"\n\n" for e in events))
+                data = b"".join(rewrite_event(e, p_cached) + b"\n\n" for e in events)
+                await write_within(out, request, data, write_timeout_s)
     except UpstreamBrokenError as exc:  # after the first byte: nothing to retry, end the stream
         log.warning("decode stream broke off: %s", exc)
         resp.abort()
         return out
     if buf:
-        await out.write(buf)
+        await write_within(out, request, buf, write_timeout_s)
     resp.release()
     with contextlib.suppress(ConnectionError):
         await out.write_eof()

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from kvroute.server.wire.http import error_response
+from kvroute.server.wire.limits import write_eof_within, write_within
 from kvroute.server.wire.transport import UpstreamBrokenError, UpstreamResponse
 from kvroute.server.wire.validate import ApiError, error_body
 
@@ -99,12 +100,15 @@ async def relay(
     on_first_byte: Callable[[], None],
     after_first: Callable[[], None] | None,
     draining: Callable[[], bool],
+    write_timeout_s: float | None = None,
 ) -> Relayed:
     """Carry ``up`` to the client of ``request`` (module docstring). ``headers``: added to the
     answer; ``on_first_byte``: called when the first upstream byte arrives (before anything is
     sent); ``after_first``: called once the first bytes reached the client (a stream: on the next
     loop turn) or the whole body was read (buffered); ``draining``: true while the router's
-    shutdown ends the requests in flight."""
+    shutdown ends the requests in flight; ``write_timeout_s``: a stream write the client does not
+    take within it (seconds; None: no limit) ends the stream as a client that went away, its
+    connection aborted (:func:`kvroute.server.wire.limits.write_within`)."""
     done = False
     if not 200 <= up.status <= 599:
         up.abort()
@@ -137,7 +141,9 @@ async def relay(
         if headers:
             out.headers.update(headers)
         out.enable_chunked_encoding()
-        relayed = await _stream(request, out, up, first, chunks, after_first, draining, t_first)
+        relayed = await _stream(
+            request, out, up, first, chunks, after_first, draining, t_first, write_timeout_s
+        )
         done = relayed.end is not None
         return relayed
     finally:
@@ -179,6 +185,7 @@ async def _stream(
     after_first: Callable[[], None] | None,
     draining: Callable[[], bool],
     t_first: float,
+    timeout_s: float | None = None,
 ) -> Relayed:
     """Stream to the client; ``end`` is the stream's last bytes when it ended normally. A chunk
     after which ``up`` has ended goes out with the stream's end (one write); the final
@@ -189,13 +196,13 @@ async def _stream(
         return Relayed(outcome, out, status, end is not None, end, t_first)
 
     try:
-        await _write(out, request, first, prepare=True, last=up.ended)
+        await _write(out, request, first, prepare=True, last=up.ended, timeout_s=timeout_s)
         if after_first is not None:
             asyncio.get_running_loop().call_soon(after_first)
         tail = first
         try:
             async for chunk in chunks:
-                await _write(out, request, chunk, last=up.ended)
+                await _write(out, request, chunk, last=up.ended, timeout_s=timeout_s)
                 tail = (tail + chunk)[-TAIL_BYTES:] if len(chunk) < TAIL_BYTES else chunk
         except UpstreamBrokenError as exc:
             err = ApiError(502, f"backend stream broke off: {exc}", etype="upstream_error")
@@ -228,13 +235,24 @@ async def _eof(out: web.StreamResponse) -> None:
 
 
 async def _write(
-    out: web.StreamResponse, request: web.Request, data: bytes, prepare: bool = False, last: bool = False
+    out: web.StreamResponse,
+    request: web.Request,
+    data: bytes,
+    prepare: bool = False,
+    last: bool = False,
+    timeout_s: float | None = None,
 ) -> None:
-    """``data`` to the client (after the head when ``prepare``); ``last``: with the stream's end."""
+    """``data`` to the client (after the head when ``prepare``); ``last``: with the stream's end;
+    ``timeout_s``: see :func:`relay`."""
     try:
         if prepare:
             await out.prepare(request)
-        if last:
+        if timeout_s is not None:
+            if last:
+                await write_eof_within(out, request, data, timeout_s)
+            elif data:
+                await write_within(out, request, data, timeout_s)
+        elif last:
             await out.write_eof(data)
         elif data:
             await out.write(data)

@@ -19,16 +19,31 @@ import orjson
 
 from kvroute.chat_template import ChatOptions, chat_options
 
-__all__ = ["MAX_DEPTH", "ApiError", "ParsedRequest", "check_depth", "error_body", "parse_request"]
+__all__ = [
+    "MAX_DEPTH",
+    "ApiError",
+    "ParsedRequest",
+    "check_depth",
+    "error_body",
+    "parse_request",
+    "too_long",
+]
 
 MAX_DEPTH = 64
 """Levels of JSON objects and arrays a request body may nest (the body itself is level 1)."""
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
+}
 
 
 class ApiError(Exception):
-    """An error for the client: HTTP ``status`` and a one-line message (never a traceback)."""
+    """An error for the client: HTTP ``status`` and a one-line message (never a traceback).
+    ``close``: the answer closes the client's connection (what is left of its request is unread).
+    Picklable (it crosses from the parse worker process)."""
 
     def __init__(
         self,
@@ -37,6 +52,7 @@ class ApiError(Exception):
         param: str | None = None,
         etype: str | None = None,
         code: str | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -44,6 +60,10 @@ class ApiError(Exception):
         self.param = param
         self.etype = etype or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.code = code  # OpenAI's string code (e.g. "model_not_found"); None: the status
+        self.close = close
+
+    def __reduce__(self) -> tuple[type[ApiError], tuple[object, ...]]:  # subclasses: as an ApiError
+        return ApiError, (self.status, self.message, self.param, self.etype, self.code, self.close)
 
 
 def error_body(err: ApiError) -> bytes:
@@ -111,12 +131,24 @@ def _opt_str(body: Mapping[str, Any], key: str) -> str | None:
     return v
 
 
-def _prompt(value: Any) -> str | Sequence[int]:
+def too_long(tokens: int, cap: int) -> ApiError:
+    """The 400 of a prompt of ``tokens`` tokens over the router's ``cap``."""
+    return ApiError(
+        400,
+        f"the prompt has {tokens} tokens; this router takes at most {cap} (the backends' context length)",
+        "prompt",
+        code="context_length_exceeded",
+    )
+
+
+def _prompt(value: Any, cap: int) -> str | Sequence[int]:
     while True:  # a batch of batches: route on the first (a loop: nesting is bounded, not recursed)
         if isinstance(value, str):
             return value
         if not isinstance(value, list) or not value:
             break
+        if cap and len(value) > cap and isinstance(value[0], int):  # token ids: before checking each
+            raise too_long(len(value), cap)
         if all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
             return value
         if all(isinstance(t, str) for t in value):
@@ -147,8 +179,10 @@ def _messages(value: Any) -> list[Mapping[str, Any]]:
     return value
 
 
-def parse_request(raw: bytes, chat: bool) -> ParsedRequest:
-    """Parse and check a ``/v1/completions`` (``chat=False``) or ``/v1/chat/completions`` body."""
+def parse_request(raw: bytes, chat: bool, max_prompt_tokens: int = 0) -> ParsedRequest:
+    """Parse and check a ``/v1/completions`` (``chat=False``) or ``/v1/chat/completions`` body.
+    ``max_prompt_tokens``: a token-id prompt longer than this is a 400 (:func:`too_long`), checked
+    before its ids are (0: no cap here; text is capped once tokenized)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -190,5 +224,11 @@ def parse_request(raw: bytes, chat: bool) -> ParsedRequest:
     if "prompt" not in body:
         raise ApiError(400, "'prompt' is required", "prompt")
     return ParsedRequest(
-        False, stream, model, max_tokens or 0, user, prompt=_prompt(body["prompt"]), cache_salt=salt
+        False,
+        stream,
+        model,
+        max_tokens or 0,
+        user,
+        prompt=_prompt(body["prompt"], max_prompt_tokens),
+        cache_salt=salt,
     )

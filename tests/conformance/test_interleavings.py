@@ -11,6 +11,7 @@ waits until it is back. Bounded: a few examples of a few steps."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 from dataclasses import dataclass
 
 from hypothesis import HealthCheck, settings
@@ -23,6 +24,10 @@ from kvroute.conformance.invariant import Expect
 from kvroute.conformance.runner import Case, Target
 from kvroute.conformance.world import World
 
+# the admin API's guard takes a non-UTF-8 Authorization for a 401 since main's b2ac54c (server/wire/auth.py):
+# not drawn before
+_ADMIN_FIXED = importlib.util.find_spec("kvroute.server.wire.auth") is not None
+
 
 @dataclass(frozen=True)
 class _Ordinary:
@@ -34,7 +39,8 @@ class _Ordinary:
 def _actions(world: World) -> st.SearchStrategy[object]:
     targets = st.sampled_from(["upstream", "engine"])
     ordinary = st.builds(_Ordinary, targets, st.booleans(), st.booleans())
-    hostile = [Case("client", c, t) for c in CLIENTS for t in world.targets]
+    clients = [c for c in CLIENTS if c != "authorization-non-utf8" or _ADMIN_FIXED]
+    hostile = [Case("client", c, t) for c in clients for t in world.targets]
     faulty = [Case("upstream", f, world.upstream, s) for f in FAULTS for s in (False, True)]
     return st.one_of(ordinary, ordinary, st.sampled_from(hostile), st.sampled_from(faulty))
 

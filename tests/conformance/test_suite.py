@@ -3,6 +3,8 @@ invariant on every response and on ordinary follow-ups over the same pooled conn
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from kvroute.conformance.runner import Case, Target, cases
@@ -13,8 +15,20 @@ from kvroute.conformance.world import World
 _TARGETS = [Target("upstream", "faulty", MisbehavingUpstream("faulty")), Target("engine", "emu")]
 
 
+# the admin API's guard takes a non-UTF-8 Authorization for a 401 since main's b2ac54c (server/wire/auth.py)
+_ADMIN_FIXED = importlib.util.find_spec("kvroute.server.wire.auth") is not None
+
+
 def _all() -> list[object]:
-    return [pytest.param(c, id=c.id) for c in cases(_TARGETS)]
+    out = []
+    for c in cases(_TARGETS):
+        marks = []
+        if c.name == "authorization-non-utf8" and not _ADMIN_FIXED:
+            marks.append(
+                pytest.mark.xfail(strict=True, reason="a non-UTF-8 Authorization on /admin is a 500 here")
+            )
+        out.append(pytest.param(c, id=c.id, marks=marks))
+    return out
 
 
 def _resolve(case: Case, world: World) -> Case:

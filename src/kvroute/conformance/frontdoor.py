@@ -14,6 +14,7 @@ misbehaving upstream.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -124,9 +125,17 @@ def _kvroute(*args: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def _process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def _process(
+    argv: list[str], log: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     with log.open("ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=None if env is None else {**os.environ, **env},
+        )
     try:
         yield proc
     finally:
@@ -141,17 +150,22 @@ def _process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
 
 @contextlib.contextmanager
 def serve_front_door(
-    backends: Sequence[str], extra: Sequence[str] = (), log_dir: str | None = None, timeout_s: float = 240.0
+    backends: Sequence[str],
+    extra: Sequence[str] = (),
+    log_dir: str | None = None,
+    timeout_s: float = 240.0,
+    admin_token: str = "conformance-admin-token",
 ) -> Iterator[ProcessFrontDoor]:
     """``kvroute serve`` on a free loopback port in front of ``backends`` (``extra``: more flags),
-    health-checked every 0.2 s; yields once its ``/livez`` answers."""
+    health-checked every 0.2 s, its admin API behind ``admin_token`` (so its guard is exercised);
+    yields once its ``/livez`` answers."""
     port = _free_port()
     with tempfile.TemporaryDirectory(dir=log_dir) as tmp:
         log = Path(tmp) / "serve.log"
         argv = _kvroute("serve", "--port", str(port), "--health-interval", "0.2", *extra)
         for b in backends:
             argv += ["--backend", b]
-        with _process(argv, log) as proc:
+        with _process(argv, log, {"KVROUTE_ADMIN_TOKEN": admin_token}) as proc:
             _wait_http(f"http://127.0.0.1:{port}/livez", proc, timeout_s, lambda s: s == 200)
             yield ProcessFrontDoor("127.0.0.1", port, proc, log)
 

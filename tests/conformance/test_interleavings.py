@@ -29,6 +29,12 @@ from kvroute.conformance.world import World
 _ADMIN_FIXED = importlib.util.find_spec("kvroute.server.wire.auth") is not None
 
 
+RACY = frozenset({"late-response"})
+"""Faults no front door can survive under concurrency: a response sent 30 ms late on a connection
+that meanwhile carried the next request is, to any HTTP/1.1 client, that request's answer. (The suite
+runs it alone, its follow-ups after the late bytes arrived.)"""
+
+
 @dataclass(frozen=True)
 class _Ordinary:
     target: str
@@ -41,7 +47,7 @@ def _actions(world: World) -> st.SearchStrategy[object]:
     ordinary = st.builds(_Ordinary, targets, st.booleans(), st.booleans())
     clients = [c for c in CLIENTS if c != "authorization-non-utf8" or _ADMIN_FIXED]
     hostile = [Case("client", c, t) for c in clients for t in world.targets]
-    faulty = [Case("upstream", f, world.upstream, s) for f in FAULTS for s in (False, True)]
+    faulty = [Case("upstream", f, world.upstream, s) for f in FAULTS if f not in RACY for s in (False, True)]
     return st.one_of(ordinary, ordinary, st.sampled_from(hostile), st.sampled_from(faulty))
 
 

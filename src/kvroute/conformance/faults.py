@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from kvroute.conformance.ids import FOREIGN_ID
+from kvroute.conformance.ids import foreign_id
 
 __all__ = ["CLOSE", "FAULTS", "Answer", "Fault", "Step"]
 
@@ -128,9 +128,10 @@ class Answer:
             return self.head() + chunked(self.events())
         return self.head() + self.body()
 
-    def foreign(self) -> bytes:
-        """A complete response for a request nobody sent (:data:`FOREIGN_ID`)."""
-        return Answer(FOREIGN_ID, self.chat, self.stream, self.model).whole()
+    def foreign(self, tag: str = "beef") -> bytes:
+        """A complete response for a request nobody sent (id :func:`~kvroute.conformance.ids.foreign_id`
+        of ``tag``, 4 hex digits: which fault made it)."""
+        return Answer(foreign_id(tag), self.chat, self.stream, self.model).whole()
 
 
 def chunked(
@@ -222,7 +223,7 @@ _FAULTS = (
     ),
     Fault(
         "late-response",
-        lambda a: (a.whole(), 0.03, a.foreign()),
+        lambda a: (a.whole(), 0.03, a.foreign("1a7e")),
         OK,
         "a foreign response 30 ms later, while idle",
     ),
@@ -338,7 +339,7 @@ _FAULTS = (
         lambda a: (
             a.head(extra=b"Connection: close\r\n") + (_body(a) if a.stream else a.body()),
             0.03,
-            a.foreign(),
+            a.foreign("c105"),
         ),
         OK,
         "says Connection: close, keeps the socket open and sends a foreign response",

@@ -11,13 +11,19 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["FOREIGN_ID", "ID_PATTERN", "ids_in", "new_id"]
+__all__ = ["FOREIGN_ID", "ID_PATTERN", "foreign_id", "ids_in", "new_id"]
 
 ID_PATTERN = re.compile(rb"cf-[0-9a-f]{12}")
 """What a suite request id looks like, in bytes."""
 
 FOREIGN_ID = "cf-0000deadbeef"
-"""The id of the responses a misbehaving upstream makes up (never one a client sent)."""
+"""The id of the responses a misbehaving upstream makes up (never one a client sent); a fault may
+end it with its own 4 hex digits instead (:func:`foreign_id`), to tell whose leaked."""
+
+
+def foreign_id(tag: str = "beef") -> str:
+    """A made-up id ending in ``tag`` (4 hex digits): ``cf-0000dead<tag>``."""
+    return "cf-0000dead" + tag
 
 
 def new_id() -> str:

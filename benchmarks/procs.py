@@ -261,12 +261,17 @@ class Traffic:
 
 
 async def send(
-    session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any], leave_after: int | None = None
+    session: aiohttp.ClientSession,
+    url: str,
+    path: str,
+    body: dict[str, Any],
+    leave_after: int | None = None,
+    headers: dict[str, str] | None = None,
 ) -> tuple[int, bytes]:
-    """POST ``body``; the status and body (``leave_after``: close after that many body bytes of a
-    stream, as a client that goes away; status -1 when the connection failed)."""
+    """POST ``body`` (with ``headers``); the status and body (``leave_after``: close after that many
+    body bytes of a stream, as a client that goes away; status -1 when the connection failed)."""
     try:
-        async with session.post(url + path, json=body) as r:
+        async with session.post(url + path, json=body, headers=headers) as r:
             if leave_after is not None and body.get("stream"):
                 got = await r.content.read(leave_after)
                 r.close()

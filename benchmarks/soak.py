@@ -10,6 +10,13 @@ Traffic: about ``REQUESTS`` valid requests (multi-turn chats and completions, ha
 fuzzed corpus of bad inputs (:data:`BAD_KINDS` kinds: bad JSON, wrong types, huge bodies, deep
 nesting, bad methods and paths, bad headers, raw malformed HTTP on a socket) to both.
 
+Hostile clients: one case of the conformance suite's client catalogue
+(:data:`kvroute.conformance.clients.CLIENTS`: ``Expect: 100-continue``, hop-by-hop and duplicated
+headers, pipelining, disconnects mid-body and mid-stream, slow drips, partial and oversized heads, bad
+chunking, non-UTF-8 headers) for every ``HOSTILE_EVERY`` valid requests, over raw sockets to a live
+replica, each answer checked with the suite's invariant; and every valid request carries its own
+``X-Request-Id``, so an answer with another request's id or bytes is caught.
+
 Faults, at fixed points of the run: an engine SIGKILLed and restarted; SIGHUP with a valid config (a
 new policy) and with a broken one; the admin API adds, drains, undrains and deletes a backend; a whole
 replica (supervisor and workers) SIGKILLed, then started again (it sweeps the dead one's leftovers);
@@ -20,6 +27,8 @@ Asserts (the exit status is 1 when one fails):
 - nothing lost outside the killed replica (a request in flight on the SIGKILLed engine may end with
   an SSE error event or a 502: counted apart, at most the concurrency);
 - no 5xx and no plain-text answer to bad input: each is a 4xx OpenAI-style JSON error;
+- no valid request's answer carries another request's id or bytes; the hostile clients' answers keep
+  the invariant (outside the killed replica and the engine kill's window);
 - no traceback in any process's log;
 - the in-flight gauges back to zero on both replicas (``kvroute_backend_waiting``/``running``) and
   on every engine (``vllm:num_requests_running``/``waiting``);
@@ -47,6 +56,9 @@ import orjson
 
 from benchmarks.common import table, write
 from benchmarks.procs import Fleet, Proc, Traffic, send, tree_rss_mib, wait_http
+from kvroute.conformance.clients import CLIENTS, Ctx
+from kvroute.conformance.ids import ids_in, new_id
+from kvroute.conformance.invariant import check_response, completion_ids
 from kvroute.server.cluster import free_port
 from kvroute.server.state.loadtable import url_digest
 
@@ -55,6 +67,7 @@ MAX_FACTOR = 4  # traffic goes on while the faults run, up to this many times RE
 GAP_S = 1.5  # seconds between two faults
 CONCURRENCY = 16
 RSS_BOUND_MIB = 400.0
+HOSTILE_EVERY = 20  # valid requests per hostile client case
 TOKEN = "soak-token"
 MAX_BODY = 2 << 20  # bytes: the replicas' --max-body-bytes (a bigger body is a 413)
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -194,7 +207,19 @@ class Result:
     start: float
     end: float
     status: int
-    outcome: str  # ok, leaver, error_event, upstream_5xx, conn_error, bad_answer
+    outcome: str  # ok, leaver, error_event, upstream_5xx, conn_error, bad_answer, wrong_client
+
+
+@dataclass
+class Hostile:
+    """One hostile client case's run: the replica, when, and the invariant's violations."""
+
+    case: str
+    replica: str
+    generation: int
+    start: float
+    end: float
+    violations: list[str]
 
 
 @dataclass
@@ -204,6 +229,8 @@ class Soak:
     engines: list[Proc] = field(default_factory=list)
     replicas: list[Replica] = field(default_factory=list)
     results: list[Result] = field(default_factory=list)
+    hostile: list[Hostile] = field(default_factory=list)
+    wrong_client: list[str] = field(default_factory=list)  # valid answers with another request's id
     bad_results: Counter[str] = field(default_factory=Counter)
     bad_failures: list[str] = field(default_factory=list)
     events: list[tuple[float, str]] = field(default_factory=list)
@@ -290,13 +317,39 @@ class Soak:
             r = self.pick(i)
             path, body = traffic.next()
             leave = 48 if i % 25 == 3 else None
+            rid = new_id()
             start = time.monotonic()
-            status, data = await send(session, r.url, path, body, leave_after=leave)
-            end = time.monotonic()
-            self.results.append(
-                Result(r.name, r.generation, start, end, status, _outcome(status, body, data, leave))
+            status, data = await send(
+                session, r.url, path, body, leave_after=leave, headers={"X-Request-Id": rid}
             )
+            end = time.monotonic()
+            outcome = _outcome(status, body, data, leave)
+            whose = _not_own(rid, "chatcmpl-" if "messages" in body else "cmpl-", status, data)
+            if whose:
+                self.wrong_client.append(f"{rid} → {r.name}: {whose}")
+                outcome = "wrong_client"
+            self.results.append(Result(r.name, r.generation, start, end, status, outcome))
             self.done += 1
+
+    async def hostile_clients(self, enough: asyncio.Event) -> None:
+        """One client case of the catalogue for every ``HOSTILE_EVERY`` valid requests, in turn."""
+        names = sorted(CLIENTS)
+        n = 0
+        while not enough.is_set():
+            if self.done < n * HOSTILE_EVERY:
+                await asyncio.sleep(0.05)
+                continue
+            name = names[n % len(names)]
+            r = self.pick(n)
+            n += 1
+            gen, start = r.generation, time.monotonic()
+            outcomes = await CLIENTS[name].run(Ctx("127.0.0.1", r.port, "emu", timeout_s=30.0))
+            found = [
+                v
+                for o in outcomes
+                for v in ([o.error] if o.error else []) + check_response(o.response, o.expect)
+            ]
+            self.hostile.append(Hostile(name, r.name, gen, start, time.monotonic(), found))
 
     async def bad_inputs(self, session: aiohttp.ClientSession, rounds: int) -> None:
         names = sorted(BAD)
@@ -426,6 +479,17 @@ def _outcome(status: int, body: dict[str, Any], data: bytes, leave: int | None) 
         return "bad_answer"
 
 
+def _not_own(rid: str, prefix: str, status: int, data: bytes) -> str:
+    """Why the answer ``data`` to request ``rid`` is not its own ('' when nothing says so): another
+    suite id in it, or a 200 completion whose ids are not ``prefix + rid``."""
+    foreign = ids_in(data) - {rid}
+    if foreign:
+        return f"carries {sorted(foreign)}"
+    ids = completion_ids(data) if status == 200 else None
+    wrong = sorted({i for i in ids or () if i != prefix + rid})
+    return f"completion id {wrong}" if wrong else ""
+
+
 def _log(soak: Soak, name: str) -> str:
     return "".join(p.text() for p in [*soak.fleet.procs, *soak.fleet.retired] if p.name == name)
 
@@ -471,7 +535,10 @@ async def _run(soak: Soak) -> dict[str, Any]:
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         faults = asyncio.create_task(soak.faults(session))
         bad = asyncio.create_task(soak.bad_inputs(session, rounds=max(1, REQUESTS // 300)))
+        hostile = asyncio.create_task(soak.hostile_clients(enough))
         await asyncio.gather(*(soak.client(session, traffic, enough) for _ in range(CONCURRENCY)))
+        enough.set()  # (also when MAX_FACTOR ended the traffic first)
+        await hostile
         soak.note(f"{soak.sent} requests done")
         await faults
         await bad
@@ -552,6 +619,14 @@ def main() -> int:
         and r not in lost_killed
     ]
     lost = [r for r in res if r.outcome in bad_outcomes and r not in lost_killed and r not in engine_broken]
+    # a hostile case on the killed replica, or while the engine was down, may get what they got
+    hostile_failed = [
+        h
+        for h in soak.hostile
+        if h.violations
+        and not (h.replica == "B" and h.generation == 1 and h.start <= soak.replica_kill)
+        and not (h.start <= t_back and h.end >= t_kill)
+    ]
     tracebacks = soak.fleet.tracebacks()
     log_a = _log(soak, "replica-A")
     reloads = (log_a.count("SIGHUP: reloaded"), log_a.count("rejected, keeping the old config"))
@@ -560,6 +635,8 @@ def main() -> int:
         "nothing lost outside the killed replica": not lost,
         "engine kill broke at most the requests in flight": len(engine_broken) <= CONCURRENCY,
         "bad input: 4xx JSON errors only": not soak.bad_failures,
+        "no answer carries another request's id or bytes": not soak.wrong_client,
+        "hostile clients: the invariant held": not hostile_failed,
         "no traceback in any log": not tracebacks,
         "gauges back to zero": not any(end["gauges"].values()),
         f"router RSS under {RSS_BOUND_MIB:.0f} MiB": rss_peak < RSS_BOUND_MIB,
@@ -581,6 +658,10 @@ def main() -> int:
         "bad_inputs_sent": sum(soak.bad_results.values()),
         "bad_input_kinds": BAD_KINDS,
         "bad_input_failures": soak.bad_failures[:20],
+        "wrong_client": soak.wrong_client[:20],
+        "hostile_cases_run": len(soak.hostile),
+        "hostile_case_kinds": len({h.case for h in soak.hostile}),
+        "hostile_failures": [f"{h.case} → {h.replica}: {h.violations}" for h in hostile_failed[:20]],
         "tracebacks": tracebacks,
         "gauges_at_end": end["gauges"],
         "rss_peak_mib": round(rss_peak, 1),

@@ -211,6 +211,20 @@ async def test_client_that_stops_reading_its_stream_cancels_the_engine_and_relea
     writer.close()
 
 
+async def test_client_that_never_reads_a_buffered_answer_is_closed(make_router: Make) -> None:
+    server, port = await make_router(write_timeout_s=0.3)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    _, writer = await asyncio.open_connection(sock=sock)
+    writer.write(post("/v1/completions", orjson.dumps({"prompt": "hi", "max_tokens": 20_000_000})))
+    assert await until(lambda: server.client_connections == 1)
+    assert await until(lambda: server.client_connections == 0)  # a 20 MB answer never taken: closed
+    assert counters_zero(server) and server.state.backends[0].healthy
+    writer.close()
+
+
 async def test_prompt_over_the_config_cap_is_400_and_never_forwarded(make_router: Make) -> None:
     engine = FakeEngine()  # its /v1/models lists no max_model_len
     _, port = await make_router(engine=engine, max_prompt_tokens=1000)

@@ -342,6 +342,12 @@ class RouterServer:
         if self.proxy.recording is not None:
             self.proxy.recording.close()
 
+    @property
+    def client_connections(self) -> int:
+        """Client connections open now (0 before start and after stop)."""
+        server = self._runner.server if self._runner is not None else None
+        return len(server.connections) if server is not None else 0
+
     # ---- small endpoints -----------------------------------------------------------------------
 
     async def livez(self, request: web.Request) -> web.Response:

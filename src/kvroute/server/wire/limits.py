@@ -16,6 +16,8 @@ keep-alive connection and a write to the client may take. One :class:`ClientLimi
 - **writes**: :func:`write_within` gives a write to the client ``write_timeout_s`` seconds; a client
   that stops reading has its connection aborted and the write raises ``ConnectionResetError``, which
   the relays treat as a client that went away (the engine's request is aborted, the lease released).
+  The answer's last writes (a whole buffered body, written by aiohttp once the handler returned) get
+  ``write_timeout_s`` too, then the connection is aborted.
 
 Units: seconds. Nothing here reads a clock but the event loop's timers.
 """
@@ -116,6 +118,21 @@ class _LimitedHandler(_JsonRequestHandler):
             _raw_error(408, "Request Timeout", f"the request head was not complete within {limit:g} s")
         )
         self.force_close()
+
+    async def finish_response(
+        self, request: BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        """aiohttp's last writes of an answer (a buffered body, a stream's end), given
+        ``write_timeout_s``: a client that does not take them has its connection aborted."""
+        try:
+            async with asyncio.timeout(self.limits.write_timeout_s):
+                return await super().finish_response(request, resp, start_time)
+        except TimeoutError:
+            if self.transport is not None:
+                self.transport.abort()
+            limit = self.limits.write_timeout_s
+            self.limiter.emit("slow-reader", f"client {request.remote} took no answer in {limit:g} s: closed")
+            return resp, True
 
     async def _handle_request(
         self, request: BaseRequest, start_time: float | None, request_handler: Any

@@ -23,7 +23,6 @@ from .test_shutdown import RouterProc, stream_body
 SLOW = 0.1
 EXPIRY_S = 1.5
 REFRESH_S = 0.3
-MARGIN_S = 1.0  # one sweep (0.25 s) plus scheduling on a busy 2-core machine
 
 
 @pytest.fixture
@@ -102,10 +101,9 @@ async def test_replicas_share_reservations_and_a_killed_one_expires(
         await asyncio.sleep(0.5)
         assert a.proc is not None
         a.proc.kill()
-        killed = time.monotonic()
-        await until(lambda: b_sees_a(0), EXPIRY_S + MARGIN_S + 2.0)
-        gone_after = time.monotonic() - killed
-        assert gone_after <= EXPIRY_S + MARGIN_S, gone_after
+        # A is forgotten (how soon, within expiry plus a sweep, is test_peers' claim on an injected
+        # clock: a wall-clock bound here would fail on a loaded machine); 30 s only guards a hang
+        await until(lambda: b_sees_a(0), 30.0)
         assert await metric_sum(b.url, "kvroute_peers") == 0
         assert await metric_sum(b.url, "kvroute_peer_expired_total") == 1
         bodies = await asyncio.wait_for(traffic, 30.0)

@@ -164,11 +164,10 @@ async def test_sigterm_drain_timeout_ends_a_long_stream_with_an_error_event(
             s.post(router.url + "/v1/completions", json=stream_body(2000)) as r,
         ):
             assert (await r.content.readline()).startswith(b"data: ")
-            t0 = time.monotonic()
             router.signal(signal.SIGTERM)
-            rest = await asyncio.wait_for(r.content.read(), 20)
-            assert time.monotonic() - t0 < 15
+            rest = await asyncio.wait_for(r.content.read(), 60)  # a hang guard, not a speed claim
         lines = [ln for ln in rest.split(b"\n") if ln.startswith(b"data: ")]
+        assert len(lines) < 2000  # cut short: the 2,000-token stream did not run to its end
         assert lines[-1] == b"data: [DONE]"
         error = orjson.loads(lines[-2][len(b"data: ") :])["error"]
         assert error["type"] == "service_unavailable" and "shutting down" in error["message"]
@@ -238,11 +237,10 @@ async def test_second_signal_ends_the_drain_at_once(engines: Cluster, tokenizer:
         shutdown = asyncio.create_task(router.shutdown(hurry))
         await asyncio.sleep(0.2)
         assert not shutdown.done()
-        t0 = time.monotonic()
         hurry.set()
-        assert await asyncio.wait_for(shutdown, 10) == 1
-        assert time.monotonic() - t0 < 5
+        assert await asyncio.wait_for(shutdown, 60) == 1  # a hang guard, not a speed claim
         rest = await r.content.read()
+        assert rest.count(b"data: ") < 2000  # cut short by the hurry, not drained to its end
     engines.router = None
     assert rest.rstrip().endswith(b"data: [DONE]") and b'"service_unavailable"' in rest
     assert counters_zero(router) and router.state.counters.drained == 1

@@ -26,14 +26,18 @@ How it follows Ray's own routers (``PowerOfTwoChoicesRequestRouter``, Ray Serve 
 
 - :meth:`choose_replicas` returns ranks, best first: one replica per rank in the order of the
   core's :attr:`Decision.order`, so Ray's own queue-length check and back-off still apply (a full
-  replica is skipped for the next one).
+  replica is skipped for the next one). A replica whose queue length Ray cannot read within its
+  probe deadline is skipped too: Ray's default, 0.1 s, is missed on a loaded host, and Ray then
+  sends the request to the decision's second choice (two long requests landed on one replica of two
+  that way); the router sets the deadline to ``queue_len_deadline_s`` (default 1 s, Ray's own
+  ceiling for its backed-off probes), so a busy replica is still read and a hung one skipped.
 - ``request_router_kwargs`` reach :meth:`initialize_state`: ``policy`` (any registry name,
   default ``lmetric``), ``features`` (the design's features as in a router YAML file's ``features``
   section, e.g. ``{"hotspot": true, "limits": {"p_token_cap": 8192}}``), ``block_size``,
   ``tokenizer`` (a ``tokenizer.json`` path; default: the bundled Qwen3 tokenizer), the approximate
   KV view's ``approx_capacity_blocks`` / ``approx_ttl_s``, ``kv_recovery_s``, ``sync_interval_s``
-  (shared-state period, seconds), ``reservation_ttl_s``, ``share_state`` (False: this router alone),
-  ``seed`` (random policies).
+  (shared-state period, seconds), ``reservation_ttl_s``, ``queue_len_deadline_s`` (seconds, above),
+  ``share_state`` (False: this router alone), ``seed`` (random policies).
 - ``on_request_routed`` / ``on_request_completed`` / ``on_replica_actor_died`` /
   ``update_replicas`` keep the in-flight accounting (:mod:`kvroute.integrations.inflight`) and the KV
   view's membership.
@@ -86,6 +90,7 @@ import ray
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
+from kvroute.errors import UserError
 from kvroute.features.classes import ClassConfig
 from kvroute.integrations.inflight import InFlight, Row, instance_view
 from kvroute.integrations.prompts import PromptChains, body_of
@@ -142,6 +147,7 @@ class KVRouteRequestRouter(RequestRouter):
         kv_recovery_s: float = 5.0,
         sync_interval_s: float = 0.05,
         reservation_ttl_s: float = 60.0,
+        queue_len_deadline_s: float = 1.0,
         share_state: bool = True,
         seed: int = 0,
         state: Any = None,
@@ -162,6 +168,13 @@ class KVRouteRequestRouter(RequestRouter):
         self._by_rid: dict[str, RunningReplica] = {}  # full replica id → the latest RunningReplica
         self.prompts = PromptChains(RequestTokenizer(load_tokenizer(tokenizer)), block_size)
         self.inflight = InFlight(reservation_ttl_s)
+        if not queue_len_deadline_s > 0:
+            raise UserError("request_router_kwargs: queue_len_deadline_s must be positive")
+        # Ray's probe of a replica's queue length (module docstring): its first deadline and its ceiling
+        self.queue_len_response_deadline_s = queue_len_deadline_s
+        self.max_queue_len_response_deadline_s = max(
+            queue_len_deadline_s, self.max_queue_len_response_deadline_s
+        )
         self.sync_interval_s = sync_interval_s
         self.name = uuid.uuid4().hex
         self.decisions = 0

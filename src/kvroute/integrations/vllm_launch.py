@@ -19,7 +19,9 @@ default is 16). ``dev_mode`` sets ``VLLM_SERVER_DEV_MODE=1``, which vLLM needs t
 ``POST /reset_prefix_cache``.
 
 Processes run in their own session (``start_new_session``) and are stopped by their process group:
-SIGTERM, then SIGKILL after a grace period, only the groups this module started. Output goes to a
+SIGTERM, then SIGKILL after a grace period, only the groups this module started; and each server
+gets SIGTERM when the process that started it dies, however it dies (:mod:`kvroute.procguard`; start
+servers from the main thread: the death signal follows the thread that started them). Output goes to a
 log file per server (:attr:`VllmProcess.log_path`); a server that exits or does not become healthy
 raises :class:`VllmStartError` with the log's last lines.
 
@@ -41,6 +43,8 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvroute.procguard import guarded
 
 __all__ = [
     "VllmEndpoint",
@@ -204,7 +208,7 @@ class VllmProcess:
         log_path = folder / f"vllm-{port}.log"
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
-                vllm_argv(s, port, pub, rep),
+                guarded(vllm_argv(s, port, pub, rep)),  # SIGTERM when this process dies (procguard)
                 env=vllm_env(s),
                 stdin=subprocess.DEVNULL,
                 stdout=log,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from kvroute.errors import UserError
+from kvroute.procguard import guarded
 from kvroute.server.config import BackendSpec
 
 __all__ = ["EngineCluster", "EngineProc", "free_port"]
@@ -77,7 +78,8 @@ class EngineCluster:
                 spec = BackendSpec(url, pub, rep)
             cmd += self.engine_args
             out = subprocess.DEVNULL if self.quiet else None
-            proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True)
+            # guarded: an engine gets SIGTERM when this process dies, however it dies (kvroute.procguard)
+            proc = subprocess.Popen(guarded(cmd), stdout=out, stderr=out, start_new_session=True)
             self.engines.append(EngineProc(spec, proc))
 
     async def start(self, timeout_s: float = 60.0) -> tuple[BackendSpec, ...]:

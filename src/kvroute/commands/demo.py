@@ -130,7 +130,7 @@ async def _one(policy: str, label: str, args: argparse.Namespace, text: Any, bar
         )
     )
     span = args.duration / args.time_scale  # wall seconds of arrivals
-    task = bar.add_task(policy, total=span, start=False) if bar is not None else None
+    task = bar.add_task(policy, total=span, start=False, unit="s") if bar is not None else None
 
     def say(line: str) -> None:
         if bar is not None:
@@ -183,8 +183,8 @@ def _progress(show: bool) -> Any:
 
     return Progress(
         TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed:>3.0f}/{task.total:.0f} s"),
+        BarColumn(bar_width=24),
+        TextColumn("{task.completed:>3.0f}/{task.total:.0f} {task.fields[unit]}"),
         TextColumn("elapsed"),
         TimeElapsedColumn(),
         TextColumn("left"),
@@ -354,9 +354,7 @@ def _simulate(
         b = spec_bound(spec(policies[0]), spec_engine(spec(policies[0])))
     else:
         with bar:
-            task = bar.add_task(
-                "the simulator: same workload, every arm, then the bound", total=len(arms) + 1
-            )
+            task = bar.add_task("simulator + bound", total=len(arms) + 1, unit="runs")
             for name, s in arms:
                 out[name] = run_spec(s)
                 bar.advance(task)

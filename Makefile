@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench soak lint docs dist sim-mooncake compare clean vllm-venv test-vllm vllm-eval
+.PHONY: run test bench soak lint docs dist dist-check sim-mooncake compare clean vllm-venv test-vllm vllm-eval
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -39,7 +39,16 @@ docs: $(DOCS_STAMP)
 
 ## A wheel and an sdist into dist/ (python -m build, isolated from the virtualenv's packages).
 dist: $(STAMP)
+	rm -rf dist
 	$(BIN)/python -m build --outdir dist .
+
+## The wheel without extras in a throwaway virtualenv: `kvroute` must work with no dev packages.
+dist-check: dist
+	rm -rf build/plain-venv
+	$(PY) -m venv build/plain-venv
+	build/plain-venv/bin/pip install -q dist/*.whl
+	cd build && plain-venv/bin/kvroute --version
+	cd build && plain-venv/bin/kvroute sim --workload chatbot --instances 2 --duration 5 --no-progress
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -35,6 +35,10 @@ def test_no_page_mentions_an_issue_number(page: Path) -> None:
     assert not bad, "\n".join(bad)
 
 
+def test_readme_names_the_default_policy() -> None:
+    assert f"The default policy (`{DEFAULT_POLICY}`)" in README.read_text()
+
+
 def test_readme_links_point_at_committed_files() -> None:
     links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README.read_text())
     local = [x for x in links if not x.startswith(("http://", "https://"))]

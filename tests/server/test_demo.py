@@ -57,6 +57,7 @@ def test_demo_runs_the_default_against_its_rivals_over_http(
     assert "| bound: no router does better |" in text and "The bound is what no router can beat" in text
     assert f"The default ({DEFAULT_POLICY}) " in text
     assert "Run it yourself: kvroute up --instances 2 " in text
+    assert "Machine: " in text and "load average" in text
 
 
 def test_demo_rejects_nonsense(capsys: pytest.CaptureFixture[str]) -> None:

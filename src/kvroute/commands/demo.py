@@ -130,7 +130,7 @@ async def _one(policy: str, label: str, args: argparse.Namespace, text: Any, bar
         )
     )
     span = args.duration / args.time_scale  # wall seconds of arrivals
-    task = bar.add_task(policy, total=span, start=False) if bar is not None else None
+    task = bar.add_task(policy, total=span, start=False, unit="s") if bar is not None else None
 
     def say(line: str) -> None:
         if bar is not None:
@@ -183,8 +183,8 @@ def _progress(show: bool) -> Any:
 
     return Progress(
         TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed:>3.0f}/{task.total:.0f} s"),
+        BarColumn(bar_width=24),
+        TextColumn("{task.completed:>3.0f}/{task.total:.0f} {task.fields[unit]}"),
         TextColumn("elapsed"),
         TimeElapsedColumn(),
         TextColumn("left"),
@@ -230,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
         "TTFT).\n",
         flush=True,
     )
+    print(_machine(), flush=True)
     text = BlockText(load_tokenizer())
     rows: list[dict[str, Any]] = []
     bar = _progress(not args.no_progress)
@@ -279,6 +280,22 @@ def run(args: argparse.Namespace) -> int:
             row.pop("_verdict", None)
         write_json(args.json, {"rows": rows, "bound": bound, "simulated": simulated})
     return 0
+
+
+def _machine() -> str:
+    """One line on where the job runs: CPU model and count, and the load average before it started
+    (other work on the cores shows in the client's TTFT, not in the engines')."""
+    import os
+    import platform
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"Machine: {os.cpu_count()} cores ({model}); load average {load} (1, 5, 15 min) at the start.\n"
 
 
 def run_yourself(instances: int, policy: str, workload: str, rate_scale: float, duration: float) -> str:
@@ -337,9 +354,7 @@ def _simulate(
         b = spec_bound(spec(policies[0]), spec_engine(spec(policies[0])))
     else:
         with bar:
-            task = bar.add_task(
-                "the simulator: same workload, every arm, then the bound", total=len(arms) + 1
-            )
+            task = bar.add_task("simulator + bound", total=len(arms) + 1, unit="runs")
             for name, s in arms:
                 out[name] = run_spec(s)
                 bar.advance(task)

@@ -15,6 +15,7 @@ import pytest
 from kvroute.policies import policy_names
 from kvroute.sim.bound import (
     Engine,
+    WorkloadBound,
     bound_summary,
     floor_sum_with_hit_budget_s,
     hit_rate_ceiling,
@@ -227,3 +228,33 @@ def test_a_router_that_reorders_can_beat_the_pooled_cache_of_arrival_order() -> 
     chains = [(1,), (2,), (3,), (1,), (2,), (3,)]
     assert sum(_hits(chains, [1] * 6, 2)) == 2
     assert sum(_hits(chains, [1] * 6, 1, order=[0, 3, 1, 4, 2, 5])) == 3
+
+
+def test_meets_counts_the_work_the_hit_budget_leaves() -> None:
+    """100 requests of 1,000 prompt tokens at t = 1 s, 1 output token, one instance at 1,000
+    tokens/s and a TTFT objective of 100 ms: 99 must be prefilled by 1.1 s. The any-order work w
+    (here 10 tokens each: the oracle caches the rest) fits (990 ≤ 1,100); with KV capacity only
+    50,000 hit tokens in all, the 99 smallest prompts less those hits leave 49,000 tokens, which do
+    not; with 98,000 hit tokens, 1,000 ≤ 1,100 do."""
+    eng = Engine(1000.0, 0.001, 4096, 8, 100.0, (), kv_capacity_tokens=16_000)
+    n = 100
+
+    def bound(hit_tokens: int) -> WorkloadBound:
+        return WorkloadBound(
+            n,
+            1.0,
+            0.99,
+            10.0,
+            10.0,
+            0.0,
+            np.full(n, 1.0),
+            np.full(n, 10, dtype=np.int64),
+            np.ones(n, dtype=np.int64),
+            kv_capacity_blocks=1000,
+            kv_hit_tokens=hit_tokens,
+            prompts=np.full(n, 1000, dtype=np.int64),
+        )
+
+    assert bound(50_000).meets(eng, 1, 100.0, 10.0, kv=False)
+    assert not bound(50_000).meets(eng, 1, 100.0, 10.0)
+    assert bound(98_000).meets(eng, 1, 100.0, 10.0)

@@ -21,9 +21,13 @@ from kvroute.tokenizer import Tokenizer
 from .rawupstream import RawRequest, RawUpstream, Step, ok
 from .test_wire_e2e import (
     MODELS,
+    P_ANSWER,
+    PD_BODY,
     completion_ids,
+    engine_script,
     eventually,
     final_answer,
+    pd_router,
     port_of,
     post,
     raw_exchange,
@@ -238,5 +242,33 @@ async def test_the_417_is_json_through_an_ordinary_client_too(tokenizer: Tokeniz
             ):
                 assert r.status == 417 and r.content_type == "application/json"
                 assert (await r.json())["error"]["code"] == 417
+        finally:
+            await router.stop()
+
+
+async def test_the_pd_router_refuses_an_id_already_in_flight_too(tokenizer: Tokenizer) -> None:
+    """Both legs of a P/D request carry its id: a second request under it while the first is in
+    flight is a JSON 409 and reaches neither P nor D."""
+    decode_posts: list[str] = []
+
+    def decode(rid: str) -> list[Step]:
+        decode_posts.append(rid)
+        answer = ok(b'{"id":"cmpl-%s","choices":[{"text":"x"}]}' % rid.encode())
+        return [1.5, answer] if len(decode_posts) == 1 else [answer]
+
+    async with (
+        RawUpstream(engine_script(lambda rid: [P_ANSWER])) as p,
+        RawUpstream(engine_script(decode)) as d,
+    ):
+        router, port = await pd_router(tokenizer, p.url, d.url)
+        try:
+            first = asyncio.create_task(raw_exchange(port, post(PD_BODY, "X-Request-Id: pd-shared")))
+            assert await eventually(lambda: decode_posts == ["pd-shared"])
+            status, _, data = final_answer(await raw_exchange(port, post(PD_BODY, "x-request-id: pd-shared")))
+            assert status == 409, data
+            assert orjson.loads(data)["error"]["param"] == "X-Request-Id"
+            assert len(posts_of(p)) == 1 and decode_posts == ["pd-shared"]
+            status, _, data = final_answer(await first)
+            assert status == 200 and completion_ids(data) == {b"cmpl-pd-shared"}
         finally:
             await router.stop()

@@ -26,13 +26,8 @@ upstream connection (the engine then cancels the request); leases are released o
 
 Request ids: the client's valid ``X-Request-Id`` is the request's id, sent to the engine (a
 vLLM-style engine names its completion ``cmpl-<id>``), else the router makes a random one. An id
-already in flight on this router (the same process) is refused with a 409
-``invalid_request_error`` naming the header, before the body is read: two requests in flight never
-reach an engine under one id from one router. The check is per process: with ``--workers`` or
-router replicas, two requests with one client-chosen id that land on different processes both go
-through; vLLM keeps them apart (its engine appends a random suffix to the id it keys outputs by;
-both completions are named ``cmpl-<id>``), and so does the emulated engine (the second gets a
-random id). The router's own ids are 128 random bits.
+already in flight on this router process is refused with a 409 ``invalid_request_error`` naming the
+header, before the body is read (:mod:`.stages.ids`, which says what holds across processes).
 
 Shutdown (driven by :meth:`kvroute.server.app.RouterServer.shutdown`): once :attr:`Proxy.refusing` is
 set, new requests get a 503 ``service_unavailable`` JSON error with Retry-After (and the connection is
@@ -55,6 +50,7 @@ from kvroute.server.observe.observer import REQUEST_ID_HEADER, Observer, request
 from kvroute.server.observe.recording import TrafficRecording
 from kvroute.server.stages.decide import decide
 from kvroute.server.stages.forward import forward, reserve, sent, takes
+from kvroute.server.stages.ids import InFlightIds, in_flight
 from kvroute.server.stages.prepare import Prepared, Tail, prepare
 from kvroute.server.stages.settle import late, refuse, settle, unavailable
 from kvroute.server.stages.wait import WaitingRoom
@@ -65,7 +61,7 @@ from kvroute.server.wire.relay import BROKEN, relay, shutting_down
 from kvroute.server.wire.transport import Transport, UpstreamConnectError, UpstreamTimeoutError
 from kvroute.server.wire.validate import ApiError, parse_request
 
-__all__ = ["STAGES", "Proxy", "in_flight"]
+__all__ = ["STAGES", "Proxy"]
 
 log = logging.getLogger("kvroute.server")
 
@@ -74,16 +70,6 @@ RETRYABLE_STATUS = frozenset({502, 503, 504})
 STAGES = ("parse", "split", "tokenize", "hash", "plan")
 """Steps of routing a request, timed on /metrics (``kvroute_routing_stage_seconds``): parse; the
 prepare stage's split (cache lookups), tokenize and hash; plan (the decide stage: match + policy)."""
-
-
-def in_flight(rid: str) -> ApiError:
-    """The 409 of a request whose ``X-Request-Id`` is already in flight on this router."""
-    return ApiError(
-        409,
-        f"X-Request-Id {rid!r} is already in use by a request in flight; send a unique X-Request-Id",
-        param="X-Request-Id",
-        code="request_id_in_flight",
-    )
 
 
 class Proxy:
@@ -118,7 +104,7 @@ class Proxy:
         self.refusing = False  # shutting down: new requests get a 503
         self._aborting = False  # shutting down: the handlers in flight are being cancelled
         self._inflight: set[asyncio.Task[object]] = set()  # handler tasks of the requests in flight
-        self._ids: set[str] = set()  # the request ids in flight (module docstring)
+        self.ids = InFlightIds()  # the request ids in flight (module docstring)
         self._idle: asyncio.Event | None = None  # set when the last request in flight ends
         qcfg = state.config.router_queue
         self.waiting = WaitingRoom(state, qcfg) if qcfg is not None else None  # the router-side queue
@@ -201,14 +187,13 @@ class Proxy:
         id is held from here to the end: one already held is refused (409)."""
         arrival = time.perf_counter()
         rid = request_id(request.headers)
-        ids = self._ids
-        if rid in ids:
+        ids = self.ids
+        if not ids.claim(rid):
             return refuse(self.state, self.observer, in_flight(rid), rid, path, arrival)
-        ids.add(rid)
         try:
             return await self._handle(request, chat, path, rid, arrival)
         finally:
-            ids.discard(rid)
+            ids.release(rid)
 
     async def _handle(
         self, request: web.Request, chat: bool, path: str, rid: str, arrival: float

@@ -11,7 +11,12 @@ from aiohttp import web
 
 from kvroute.server.cluster import free_port
 from kvroute.server.wire.h1 import H1Transport
-from kvroute.server.wire.transport import UpstreamBrokenError, UpstreamConnectError
+from kvroute.server.wire.transport import (
+    UpstreamBrokenError,
+    UpstreamConnectError,
+    UpstreamStalledError,
+    UpstreamTimeoutError,
+)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -119,13 +124,13 @@ async def test_connection_refused_is_a_connect_error(transport: H1Transport) -> 
         await transport.send(f"http://127.0.0.1:{free_port()}", "GET", "/health", timeout_s=1.0)
 
 
-async def test_no_head_in_time_is_a_connect_error_and_cancels_upstream(transport: H1Transport) -> None:
+async def test_no_head_in_time_is_a_timeout_and_cancels_upstream(transport: H1Transport) -> None:
     async def slow(request: web.Request) -> web.Response:
         await asyncio.sleep(5)
         return web.Response(text="late")
 
     async with Server(slow) as srv:
-        with pytest.raises(UpstreamConnectError):
+        with pytest.raises(UpstreamTimeoutError):  # a connect error's kind: the request was sent
             await transport.send(srv.url, "GET", "/", timeout_s=0.2)
         await asyncio.wait_for(srv.cancelled.wait(), 2.0)  # the connection was closed
 
@@ -148,6 +153,25 @@ async def test_body_breaking_off_is_a_broken_error(transport: H1Transport) -> No
                 got.append(chunk)
         resp.abort()
     assert b"".join(got) == b"data: first\n\n"
+
+
+async def test_a_body_that_stalls_past_the_read_timeout_is_a_stall_not_a_break() -> None:
+    async def stalls(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)  # the head now, the body never
+        await asyncio.sleep(5)
+        return resp
+
+    t = H1Transport(connect_timeout_s=1.0, read_timeout_s=0.2)
+    try:
+        async with Server(stalls) as srv:
+            resp = await t.send(srv.url, "POST", "/", b"{}")
+            with pytest.raises(UpstreamStalledError):
+                await resp.read()
+            resp.abort()
+            await asyncio.wait_for(srv.cancelled.wait(), 2.0)
+    finally:
+        await t.close()
 
 
 async def test_stale_pooled_connection_is_replaced_transparently(transport: H1Transport) -> None:

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 
 from kvroute.server.wire.h1 import H1Transport
-from kvroute.server.wire.transport import UpstreamConnectError
+from kvroute.server.wire.transport import UpstreamConnectError, UpstreamTimeoutError
 
 from .rawupstream import CLOSE, RawRequest, RawUpstream, Step, ok
 
@@ -219,7 +219,7 @@ async def test_a_head_that_never_comes_is_a_connect_error_for_that_request_only(
     transport: H1Transport,
 ) -> None:
     async with RawUpstream(first_only([b"HTTP/1.1 100 Continue\r\n\r\n", 5.0])) as up:
-        with pytest.raises(UpstreamConnectError):
+        with pytest.raises(UpstreamTimeoutError):
             await call(transport, up.url, "hostile", timeout_s=0.3)
         await then_ordinary(transport, up.url)
 

@@ -88,15 +88,21 @@ def completion_ids(body: bytes) -> set[str]:
     return set(re.findall(rb'"id":"(cmpl-[^"]*)"', body))  # type: ignore[arg-type]
 
 
-@pytest.fixture
-async def engine(tokenizer: Tokenizer) -> AsyncIterator[EmulatorServer]:
+async def start_engine(tokenizer: Tokenizer, time_scale: float = 50.0) -> EmulatorServer:
+    """An emulated engine serving ``emu`` on loopback (``time_scale``: model seconds per second)."""
     settings = EmulatorSettings(
         model_name="emu",
         engine=EngineConfig(num_kv_blocks=4096, report_tokens=True, max_model_len=32768),
-        time_scale=50.0,
+        time_scale=time_scale,
     )
     eng = EmulatorServer(settings, COST, tokenizer)
     await eng.start("127.0.0.1", 0)
+    return eng
+
+
+@pytest.fixture
+async def engine(tokenizer: Tokenizer) -> AsyncIterator[EmulatorServer]:
+    eng = await start_engine(tokenizer)
     yield eng
     await eng.stop()
 

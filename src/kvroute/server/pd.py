@@ -17,6 +17,9 @@ toy_proxy_server.py``; vllm-project/router ``src/routers/http/vllm_pd_router.rs`
 3. A client that disconnects aborts the leg in progress (its upstream connection is dropped, which
    makes a vLLM engine abort the request; D still notifies P). Between the legs, P's lease expires.
 
+A client's ``X-Request-Id`` already in flight on this router process is a 409 before either leg
+(:mod:`kvroute.server.stages.ids`): both legs carry the id, so two requests under it could meet at P.
+
 Modules: this one is the app and one request's trip (decide both, the P leg, the D leg);
 :mod:`kvroute.server.state.pdpools` keeps each instance's bookkeeping, :mod:`kvroute.server.wire.pdrelay`
 relays D's answer with P's cached tokens, :mod:`kvroute.routing.pd` decides.
@@ -62,6 +65,7 @@ from kvroute.routing.core import Decision, RouteRequest, RoutingCore
 from kvroute.routing.kvview import KVView
 from kvroute.routing.pd import PDDecision, PDRouter
 from kvroute.server.observe.observer import request_id
+from kvroute.server.stages.ids import InFlightIds, in_flight
 from kvroute.server.state.backends import parse_vllm_metrics
 from kvroute.server.state.pdpools import ROLES, PDBackend, PDChanges, PDInstance, PDMembership
 from kvroute.server.sync.discovery import ParseBackends, Resolver, Source, make_source
@@ -197,6 +201,7 @@ class PDServer:
             cores["prefill"], cores["decode"], cost, transfer, max_num_batched_tokens, config.conditional
         )
         self.decisions: deque[dict[str, Any]] = deque(maxlen=config.decisions_kept)
+        self.ids = InFlightIds()  # the request ids in flight: one already held is a 409
         self.registry = CollectorRegistry()
         self._requests = Counter(
             "kvroute_pd_requests", "P/D requests by routing outcome", ["reason"], registry=self.registry
@@ -416,6 +421,17 @@ class PDServer:
     async def _handle(self, request: web.Request, chat: bool, path: str) -> web.StreamResponse:
         rid = request_id(request.headers)
         headers = {"x-request-id": rid}
+        ids = self.ids
+        if not ids.claim(rid):  # one id, both legs: never two requests in flight under it
+            return _json_error(in_flight(rid), headers)
+        try:
+            return await self._route(request, chat, path, rid, headers)
+        finally:
+            ids.release(rid)
+
+    async def _route(
+        self, request: web.Request, chat: bool, path: str, rid: str, headers: dict[str, str]
+    ) -> web.StreamResponse:
         try:
             limits = self.config.limits
             raw = await read_body_within(request, self.config.max_body_bytes, limits.body_timeout_s)

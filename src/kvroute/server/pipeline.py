@@ -17,9 +17,18 @@ Each stage is a function of the frozen objects the earlier ones made; none calls
 earlier one. Forwarding rules: an attempt that fails *before the backend's first body byte*
 (connection error, or a 502/503/504 status) is retried on the plan's next backend, at most
 ``max_retries`` times; a connection error (or a response broken before its first byte) also ejects
-the backend at once (the health checker re-admits it). After the first byte, see
+the backend at once (the health checker re-admits it). A request the backend took but answered
+no head for within ``upstream_timeout_s`` (a long non-streamed generation: the request's doing,
+not the backend's) is answered a 504 JSON error, its upstream connection closed (the engine
+cancels it), neither retried nor ejecting the backend; the same for a first body byte that does not
+come in time (:mod:`kvroute.server.wire.relay`). After the first byte, see
 :mod:`kvroute.server.wire.relay`. A client that goes away cancels the handler, which aborts the
 upstream connection (the engine then cancels the request); leases are released on every path.
+
+Request ids: the client's valid ``X-Request-Id`` is the request's id, sent to the engine (a
+vLLM-style engine names its completion ``cmpl-<id>``), else the router makes a random one. An id
+already in flight on this router process is refused with a 409 ``invalid_request_error`` naming the
+header, before the body is read (:mod:`.stages.ids`, which says what holds across processes).
 
 Shutdown (driven by :meth:`kvroute.server.app.RouterServer.shutdown`): once :attr:`Proxy.refusing` is
 set, new requests get a 503 ``service_unavailable`` JSON error with Retry-After (and the connection is
@@ -42,16 +51,17 @@ from kvroute.server.observe.observer import REQUEST_ID_HEADER, Observer, request
 from kvroute.server.observe.recording import TrafficRecording
 from kvroute.server.stages.decide import decide
 from kvroute.server.stages.forward import forward, reserve, sent, takes
+from kvroute.server.stages.ids import InFlightIds, in_flight
 from kvroute.server.stages.parse import BodyParser
 from kvroute.server.stages.prepare import Prepared, Tail, prepare, prompt_cap
-from kvroute.server.stages.settle import refuse, settle, unavailable
+from kvroute.server.stages.settle import late, refuse, settle, unavailable
 from kvroute.server.stages.wait import WaitingRoom
 from kvroute.server.state.backends import BackendState, Lease
 from kvroute.server.state.router import RouterState
 from kvroute.server.wire.http import error_response, forward_headers
 from kvroute.server.wire.limits import read_body_within
 from kvroute.server.wire.relay import BROKEN, relay, shutting_down
-from kvroute.server.wire.transport import Transport, UpstreamConnectError
+from kvroute.server.wire.transport import Transport, UpstreamConnectError, UpstreamTimeoutError
 from kvroute.server.wire.validate import ApiError
 
 __all__ = ["STAGES", "Proxy"]
@@ -99,6 +109,7 @@ class Proxy:
         self.refusing = False  # shutting down: new requests get a 503
         self._aborting = False  # shutting down: the handlers in flight are being cancelled
         self._inflight: set[asyncio.Task[object]] = set()  # handler tasks of the requests in flight
+        self.ids = InFlightIds()  # the request ids in flight (module docstring)
         self._idle: asyncio.Event | None = None  # set when the last request in flight ends
         qcfg = state.config.router_queue
         self.waiting = WaitingRoom(state, qcfg) if qcfg is not None else None  # the router-side queue
@@ -178,11 +189,23 @@ class Proxy:
                 self._idle.set()
 
     async def handle(self, request: web.Request, chat: bool, path: str) -> web.StreamResponse:
-        """One request, stage by stage (module docstring); always returns the client's answer."""
+        """One request, stage by stage (module docstring); always returns the client's answer. Its
+        id is held from here to the end: one already held is refused (409)."""
+        arrival = time.perf_counter()
+        rid = request_id(request.headers)
+        ids = self.ids
+        if not ids.claim(rid):
+            return refuse(self.state, self.observer, in_flight(rid), rid, path, arrival)
+        try:
+            return await self._handle(request, chat, path, rid, arrival)
+        finally:
+            ids.release(rid)
+
+    async def _handle(
+        self, request: web.Request, chat: bool, path: str, rid: str, arrival: float
+    ) -> web.StreamResponse:
         state, obs = self.state, self.observer
         clock = time.perf_counter
-        arrival = clock()
-        rid = request_id(request.headers)
         try:
             cfg = state.config
             raw = await read_body_within(request, cfg.max_body_bytes, cfg.body_timeout_s)
@@ -233,6 +256,9 @@ class Proxy:
                 try:
                     up = await forward(self.transport, target, path, raw, headers)  # forward
                     sent(state, plan, target, tail)
+                except UpstreamTimeoutError as exc:  # the backend has it and is slow: not its failure
+                    self._release(lease)
+                    return late(state, obs, rec, str(exc))
                 except UpstreamConnectError as exc:
                     self._release(lease)
                     self._eject(state.backends[idx], f"{exc} (request {rid})")

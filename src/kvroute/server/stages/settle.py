@@ -1,7 +1,8 @@
 """The settle stage: a request's outcome into the KV view, the counters and its decision record.
 
 :func:`settle` books a relayed answer; :func:`refuse` a request refused before it was routed (bad
-input, no healthy backend, over quota); :func:`unavailable` one no backend took. Each returns or
+input, no healthy backend, over quota, its request id already in flight); :func:`unavailable` one no
+backend took; :func:`late` one a backend took but did not answer in time. Each returns or
 books, and calls no earlier stage.
 """
 
@@ -23,10 +24,11 @@ from kvroute.server.wire.relay import (
     OK,
     UPSTREAM_ERROR,
     Relayed,
+    timed_out,
 )
 from kvroute.server.wire.validate import ApiError
 
-__all__ = ["refuse", "settle", "unavailable"]
+__all__ = ["late", "refuse", "settle", "unavailable"]
 
 
 def settle(
@@ -92,5 +94,15 @@ def unavailable(state: RouterState, obs: Observer, rec: DecisionRecord, why: str
     state.counters.unavailable += 1
     resp = error_response(ApiError(503, why, etype="service_unavailable"), state.config.retry_after_s)
     rec.status = 503
+    resp.headers.update(obs.response_headers(rec))
+    return resp
+
+
+def late(state: RouterState, obs: Observer, rec: DecisionRecord, why: str) -> web.Response:
+    """The 504 of a request a backend took and did not answer in time (no head within
+    ``upstream_timeout_s``); counted as an upstream error, the backend left healthy."""
+    state.counters.upstream_errors += 1
+    resp = error_response(timed_out(why))
+    rec.status = 504
     resp.headers.update(obs.response_headers(rec))
     return resp

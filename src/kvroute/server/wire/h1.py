@@ -25,12 +25,13 @@ Kept rather than replaced by aiohttp's client, by measurement and by proof:
 
 Behaviour (the :class:`~kvroute.server.wire.transport.Transport` contract):
 
-- :class:`UpstreamConnectError` when no response head arrives: connection refused or reset, connect
-  timeout (``connect_timeout_s``), or no head within ``timeout_s`` (when given; else within
-  ``read_timeout_s``). A pooled connection that turns out closed before any response byte is
+- :class:`UpstreamConnectError` when no response head arrives: connection refused or reset, or
+  connect timeout (``connect_timeout_s``); its subclass :class:`UpstreamTimeoutError` when the
+  request was written and no head came within ``timeout_s`` (when given; else within
+  ``read_timeout_s``), the connection then closed (the engine cancels the request). A pooled connection that turns out closed before any response byte is
   replaced by a fresh one once (the usual keep-alive race; nothing was processed on it);
-- :class:`UpstreamBrokenError` when the body breaks off, is malformed, or no bytes arrive for
-  ``read_timeout_s``;
+- :class:`UpstreamBrokenError` when the body breaks off or is malformed; its subclass
+  :class:`UpstreamStalledError` when no bytes arrive for ``read_timeout_s``;
 - interim responses (``100``-``199`` but ``101``) are read and dropped: the head is the final
   answer's. A ``101`` is returned as is with an empty body and its connection closed (the relay
   answers the client with a 502);
@@ -68,6 +69,8 @@ from kvroute.server.wire.transport import (
     UpstreamBrokenError,
     UpstreamConnectError,
     UpstreamResponse,
+    UpstreamStalledError,
+    UpstreamTimeoutError,
 )
 
 __all__ = ["H1Transport"]
@@ -325,7 +328,7 @@ class _H1Response:
                     async with asyncio.timeout(self._read_timeout_s):
                         await waiter
             except TimeoutError:
-                raise UpstreamBrokenError(f"no data for {self._read_timeout_s} s") from None
+                raise UpstreamStalledError(f"no data for {self._read_timeout_s} s") from None
             finally:
                 conn.waiter = None
 
@@ -488,7 +491,7 @@ class H1Transport:
         except TimeoutError:
             conn.timed_out = True
             conn.close()
-            raise UpstreamConnectError(f"{pool.base}: no response in time") from None
+            raise UpstreamTimeoutError(f"{pool.base}: no response in time") from None
         except UpstreamBrokenError as exc:
             conn.close()
             raise UpstreamConnectError(f"{pool.base}: {exc}") from None

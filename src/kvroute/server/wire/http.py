@@ -10,6 +10,7 @@ from kvroute.server.observe.observer import REQUEST_ID_HEADER
 from kvroute.server.wire.validate import ApiError, error_body
 
 __all__ = [
+    "EXPECT_ONLY",
     "HOP_BY_HOP",
     "JSON",
     "error_response",
@@ -20,6 +21,9 @@ __all__ = [
 ]
 
 JSON = "application/json"
+
+EXPECT_ONLY = "only 'Expect: 100-continue' is supported"
+"""The message of the router's 417 (any ``Expect`` but ``100-continue``), on every route."""
 
 
 def error_response(err: ApiError, retry_after: int | None = None) -> web.Response:
@@ -95,7 +99,7 @@ async def expect_continue(request: web.Request) -> web.Response | None:
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # the answer's head has not been written yet
         return None
-    return error_response(ApiError(417, "only 'Expect: 100-continue' is supported"))
+    return error_response(ApiError(417, EXPECT_ONLY))
 
 
 def usage_count(data: bytes, key: str, *path: str) -> int | None:

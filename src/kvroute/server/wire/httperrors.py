@@ -9,6 +9,10 @@ Three places make such answers:
   route, ...) and ``HTTPRequestEntityTooLarge``: :func:`json_errors` renders them as JSON with the same
   status (and ``Allow`` on a 405); any other exception out of a handler is a bug: a JSON 500, its
   traceback logged at most once per ``interval_s`` per exception type;
+- **aiohttp's ``Expect`` check** runs before the middlewares, on every route (an unknown
+  expectation raises ``HTTPExpectationFailed``): :class:`JsonErrorRunner` wraps the server's request
+  handler so that an HTTP error escaping it is rendered as JSON too (a 417 on ``/health``,
+  ``/metrics``, admin, debug and unknown routes alike);
 - **aiohttp's HTTP parser** answers a malformed message (control characters in a header, a header over
   8190 bytes, bytes after ``Connection: close``, ...) before any handler runs, through
   ``RequestHandler.handle_error``, which would write ``text/plain`` and log "Error handling request"
@@ -38,6 +42,7 @@ from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
 from kvroute.logtext import escape, redact
+from kvroute.server.wire.http import EXPECT_ONLY
 from kvroute.server.wire.validate import ApiError, error_body
 
 __all__ = ["JsonErrorRunner", "RateLimitedLog", "http_error", "json_errors"]
@@ -106,7 +111,7 @@ def http_error(status: int, message: str, headers: dict[str, str] | None = None)
     return web.Response(status=status, body=error_body(err), content_type=_JSON, headers=headers)
 
 
-def _message(exc: web.HTTPException, request: web.Request) -> str:
+def _message(exc: web.HTTPException, request: BaseRequest) -> str:
     status = exc.status
     if status == 404:
         return f"no route {request.path!r}"
@@ -115,6 +120,8 @@ def _message(exc: web.HTTPException, request: web.Request) -> str:
         return f"method {request.method} not allowed on {request.path!r} (allowed: {allowed})"
     if status == 413:
         return "request body too large"
+    if status == 417:
+        return EXPECT_ONLY
     text = exc.text or ""
     if text and not text.startswith(f"{status}:"):
         return text.strip()
@@ -136,6 +143,24 @@ def json_errors(limiter: RateLimitedLog) -> Middleware:
         return await _answer(limiter, request, handler)
 
     return middleware
+
+
+_ServerHandler = Callable[[BaseRequest], Awaitable[web.StreamResponse]]
+
+
+def _json_http_errors(handler: _ServerHandler) -> _ServerHandler:
+    """``handler`` (the app's, which runs the route's ``Expect`` check before the middlewares) with an
+    HTTP error that escapes it answered as JSON: aiohttp would write it as text."""
+
+    async def handle(request: BaseRequest) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return http_error(exc.status, _message(exc, request))
+
+    return handle
 
 
 async def _answer(limiter: RateLimitedLog, request: web.Request, handler: _Handler) -> web.StreamResponse:
@@ -219,7 +244,8 @@ class _JsonServer(Server):
 
 
 class JsonErrorRunner(web.AppRunner):
-    """``web.AppRunner`` whose connections answer malformed HTTP with JSON errors (module docstring);
+    """``web.AppRunner`` whose connections answer malformed HTTP and HTTP errors raised before the
+    middlewares (an unknown ``Expect``) with JSON errors (module docstring);
     add :func:`json_errors` to the app's middlewares for the handlers' side. ``limiter``: where the
     lines go (by default one of this runner's own)."""
 
@@ -232,4 +258,5 @@ class JsonErrorRunner(web.AppRunner):
         server.__class__ = _JsonServer  # same state; only the connection handler class differs
         assert isinstance(server, _JsonServer)
         server.limiter = self.limiter
+        server.request_handler = _json_http_errors(server.request_handler)
         return server

@@ -3,7 +3,10 @@
 Rules (the pipeline's module docstring has the whole request's):
 
 - nothing is sent to the client before the first upstream body byte; a response that breaks before
-  it is no answer at all (``Relayed.response is None``: the pipeline retries elsewhere);
+  it is no answer at all (``Relayed.response is None``: the pipeline retries elsewhere); one whose
+  first body byte does not come within the transport's read timeout, the connection up all along,
+  is the request's own slowness, not a failing backend: a 504 JSON error (:func:`timed_out`), the
+  upstream request aborted (the engine cancels it), no retry;
 - a non-streamed request, or a response that is not a 200, is buffered and answered whole; a body
   that breaks off becomes a 502 JSON error;
 - a stream is passed through chunk by chunk, as the upstream's reads deliver them (what arrived
@@ -33,7 +36,7 @@ from aiohttp import web
 
 from kvroute.server.wire.http import error_response
 from kvroute.server.wire.limits import write_within
-from kvroute.server.wire.transport import UpstreamBrokenError, UpstreamResponse
+from kvroute.server.wire.transport import UpstreamBrokenError, UpstreamResponse, UpstreamStalledError
 from kvroute.server.wire.validate import ApiError, error_body
 
 __all__ = [
@@ -47,6 +50,7 @@ __all__ = [
     "Relayed",
     "relay",
     "shutting_down",
+    "timed_out",
 ]
 
 TAIL_BYTES = 8192
@@ -64,6 +68,12 @@ UNCOUNTED = "uncounted"  # cancelled while buffering: the handler's cancellation
 def shutting_down(detail: str) -> ApiError:
     """The 503 of a router that is shutting down."""
     return ApiError(503, f"the router is shutting down: {detail}", etype="service_unavailable")
+
+
+def timed_out(detail: str) -> ApiError:
+    """The 504 of a request the backend took but did not answer in time (the client's own request
+    took long: the backend is not ejected)."""
+    return ApiError(504, f"the backend did not answer in time: {detail}", etype="timeout_error")
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +134,10 @@ async def relay(
             first = await anext(chunks)
         except StopAsyncIteration:
             first = b""
+        except UpstreamStalledError as exc:
+            resp = error_response(timed_out(str(exc)))
+            resp.headers.update(headers)
+            return Relayed(UPSTREAM_ERROR, resp, 504)
         except UpstreamBrokenError as exc:
             return Relayed(BROKEN, error=str(exc))
         on_first_byte()

@@ -4,8 +4,12 @@ The proxy logic (routing, retries, counters, streaming, error events) only sees 
 so unit tests drive it with an in-memory transport; :class:`AiohttpTransport` is the real one.
 
 Errors: :class:`UpstreamConnectError` means no response was received (connection refused or reset,
-connect timeout) — the request may be retried elsewhere; :class:`UpstreamBrokenError` means the
-response broke off after its headers — bytes may already have reached the client.
+connect timeout) — the request may be retried elsewhere; its subclass :class:`UpstreamTimeoutError`
+means the request was written and no response head came within the timeout: the engine has the
+request and is slow with it (a long non-streamed generation), which is the request's doing, not a
+failing backend. :class:`UpstreamBrokenError` means the response broke off after its headers — bytes
+may already have reached the client; its subclass :class:`UpstreamStalledError` means no body byte
+came within the read timeout (the connection is still up).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ __all__ = [
     "UpstreamConnectError",
     "UpstreamError",
     "UpstreamResponse",
+    "UpstreamStalledError",
+    "UpstreamTimeoutError",
 ]
 
 
@@ -34,8 +40,18 @@ class UpstreamConnectError(UpstreamError):
     """No response: connection refused/reset or timed out before the status line."""
 
 
+class UpstreamTimeoutError(UpstreamConnectError):
+    """The request was written but no response head came within the timeout: the backend has the
+    request (it is not unreachable). The caller closes nothing more: the transport has already
+    dropped the connection, which a vLLM-style engine takes as a cancelled request."""
+
+
 class UpstreamBrokenError(UpstreamError):
     """The response body broke off (connection lost, timeout) after the headers."""
+
+
+class UpstreamStalledError(UpstreamBrokenError):
+    """No body byte came within the read timeout; the connection was up all along."""
 
 
 class UpstreamResponse(Protocol):
@@ -95,6 +111,8 @@ class _AiohttpResponse:
     async def read(self) -> bytes:
         try:
             return await self._resp.read()
+        except aiohttp.SocketTimeoutError as exc:
+            raise UpstreamStalledError(f"response stalled: {exc!r}") from None
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise UpstreamBrokenError(f"response broke off: {exc!r}") from None
 
@@ -106,6 +124,8 @@ class _AiohttpResponse:
                 if not chunk:
                     break
                 yield chunk
+        except aiohttp.SocketTimeoutError as exc:
+            raise UpstreamStalledError(f"stream stalled: {exc!r}") from None
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise UpstreamBrokenError(f"stream broke off: {exc!r}") from None
 
@@ -152,6 +172,8 @@ class AiohttpTransport:
                     resp = await session.request(method, base_url + path, data=body, headers=headers)
             else:
                 resp = await session.request(method, base_url + path, data=body, headers=headers)
+        except aiohttp.SocketTimeoutError as exc:  # connected and sent; no head within sock_read
+            raise UpstreamTimeoutError(f"{base_url}: no response in time: {exc!r}") from None
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise UpstreamConnectError(f"{base_url}: {exc!r}") from None
         return _AiohttpResponse(resp)

@@ -46,7 +46,7 @@ from kvroute.server.sync.monitor import Monitor
 from kvroute.server.sync.peers import PeerCollector, PeerLink, PeerSettings
 from kvroute.server.sync.scrape import Scraper, ScraperCollector, ScrapeSchedule
 from kvroute.server.wire.h1 import H1Transport
-from kvroute.server.wire.http import error_response
+from kvroute.server.wire.http import error_response, expect_continue
 from kvroute.server.wire.httperrors import JsonErrorRunner, RateLimitedLog, json_errors
 from kvroute.server.wire.transport import Transport, UpstreamError
 from kvroute.server.wire.validate import ApiError
@@ -170,8 +170,10 @@ class RouterServer:
         app = web.Application(
             client_max_size=self.config.max_body_bytes + 1, middlewares=[json_errors(self.bad_requests)]
         )
-        app.router.add_post("/v1/completions", self.proxy.completions)
-        app.router.add_post("/v1/chat/completions", self.proxy.chat_completions)
+        app.router.add_post("/v1/completions", self.proxy.completions, expect_handler=expect_continue)
+        app.router.add_post(
+            "/v1/chat/completions", self.proxy.chat_completions, expect_handler=expect_continue
+        )
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/livez", self.livez)

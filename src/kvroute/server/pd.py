@@ -65,6 +65,7 @@ from kvroute.server.observe.observer import request_id
 from kvroute.server.state.backends import parse_vllm_metrics
 from kvroute.server.state.pdpools import ROLES, PDBackend, PDChanges, PDInstance, PDMembership
 from kvroute.server.sync.discovery import ParseBackends, Resolver, Source, make_source
+from kvroute.server.wire.http import expect_continue
 from kvroute.server.wire.httperrors import JsonErrorRunner, RateLimitedLog, json_errors
 from kvroute.server.wire.pdrelay import LegFailed, relay_stream, relay_whole
 from kvroute.server.wire.transport import (
@@ -199,8 +200,8 @@ class PDServer:
         app = web.Application(
             client_max_size=self.config.max_body_bytes, middlewares=[json_errors(self.bad_requests)]
         )
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions, expect_handler=expect_continue)
+        app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=expect_continue)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)

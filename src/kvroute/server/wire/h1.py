@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 from collections.abc import AsyncIterator, Mapping
 from urllib.parse import urlsplit
 
 import httptools
 
+from kvroute.server.wire.http import HOP_BY_HOP
 from kvroute.server.wire.transport import (
     AiohttpTransport,
     Transport,
@@ -46,19 +48,31 @@ _HIGH_WATER = 1 << 20  # bytes buffered before reading pauses
 _LOW_WATER = 1 << 16  # bytes left buffered when reading resumes
 
 
+class _Extra(Exception):
+    """A second response began on a connection whose response had ended (raised in a parser
+    callback, so that ``feed_data`` stops at once)."""
+
+
 class _Conn(asyncio.Protocol):
     """One keep-alive connection; carries one request at a time. ``head`` resolves with the
-    response head (or an exception); ``body`` holds unread body pieces; ``complete`` is set when
-    the response ended; ``error`` when the connection broke first."""
+    final response head (or an exception); ``body`` holds unread body pieces; ``complete`` is set
+    when the response ended; ``error`` when the connection broke first.
+
+    Invariant: once ``complete`` is set, no further byte is accepted until :meth:`begin`: a byte
+    that arrives after the end of the response (in the same read or later, while the connection
+    waits in the pool) closes the connection, so it can never be read as the next request's answer.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, live: set[_Conn]) -> None:
         self.loop = loop
         self.live = live  # the pool's open connections; this one leaves it when lost
         self.transport: asyncio.Transport | None = None
+        self.fd = -1  # the socket's file descriptor (-1: unknown)
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.reused = False  # has served a response before (pooled)
         self.timed_out = False
+        self.paused = False  # reading paused (too much body buffered); never reset but by take()
         self._begin()
 
     def _begin(self) -> None:
@@ -73,10 +87,20 @@ class _Conn(asyncio.Protocol):
         self.complete = False
         self.error: Exception | None = None
         self.waiter: asyncio.Future[None] | None = None
-        self.paused = False
+        self._message()
+
+    def _message(self) -> None:
+        """Reset what one message's head says (a final response may follow interim ones)."""
+        self.in_head = True  # headers seen now are the head's, not trailers
+        self.interim = False  # the message is a 1xx other than 101: consumed, never relayed
+        self.m_type = b"application/json"
+        self.m_length = False  # Content-Length seen
+        self.m_te = False  # Transfer-Encoding seen
+        self.m_chunked = False  # its last transfer coding is chunked (RFC 9112 section 6.1)
 
     def begin(self) -> None:
-        """Reset the per-response state for the next request on this connection."""
+        """Reset the per-response state for the next request on this connection (one that
+        :attr:`reusable` allowed back into the pool)."""
         self.reused = True
         self._begin()
 
@@ -84,14 +108,23 @@ class _Conn(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's TCPTransport is not a subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self.fd = sock.fileno()
         self.live.add(self)
 
     def data_received(self, data: bytes) -> None:
+        if self.complete:  # bytes past the end of the response, or while idle in the pool
+            self.close()
+            return
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:  # a 101: its head was taken, the rest is not HTTP
+            self.close()
         except httptools.HttpParserError as exc:
-            self._fail(UpstreamBrokenError(f"malformed response: {exc}"))
+            if not self.complete:  # else: a second message began after the end (on_message_begin)
+                self._fail(UpstreamBrokenError(f"malformed response: {exc}"))
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -112,20 +145,45 @@ class _Conn(asyncio.Protocol):
 
     # ---- httptools callbacks -------------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.complete:
+            raise _Extra
+        self._message()
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        if not self.in_head:  # a trailer: never changes what the head said
+            return
         low = name.lower()
         if low == b"content-type":
-            self.content_type = value.decode("latin-1")
-        elif low == b"content-length" or (low == b"transfer-encoding" and b"chunked" in value.lower()):
-            self.delimited = True
+            self.m_type = value
+        elif low == b"content-length":
+            self.m_length = True
+        elif low == b"transfer-encoding":
+            self.m_te = True
+            codings = [c for c in value.split(b",") if c.strip()]
+            if codings:  # several header lines form one list: the last line's last coding counts
+                self.m_chunked = codings[-1].strip().lower() == b"chunked"
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-        self.keep_alive = self.parser.should_keep_alive()  # only meaningful here (llhttp resets it)
+        self.in_head = False
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            self.interim = True  # 100 Continue, 102 Processing, 103 Early Hints: the answer follows
+            return
+        self.status = status
+        self.content_type = self.m_type.decode("latin-1")
+        # RFC 9112 section 6.3: Transfer-Encoding overrides Content-Length; a last coding other
+        # than chunked means the body ends when the connection closes
+        self.delimited = self.m_chunked if self.m_te else self.m_length
+        self.keep_alive = status != 101 and self.parser.should_keep_alive()  # llhttp resets it later
+        if status == 101:  # switching protocols: no HTTP answer follows; the connection is closed
+            self.complete = True
         if not self.head.done():
             self.head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
+        if self.complete:  # a 101's bytes: not HTTP
+            raise _Extra
         self.body.append(body)
         self.buffered += len(body)
         if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
@@ -134,8 +192,11 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         self.complete = True
-        if not self.head.done():  # a body-less response completes together with its head
+        if not self.head.done():
             self.head.set_result(None)
         self._wake()
 
@@ -172,7 +233,27 @@ class _Conn(asyncio.Protocol):
 
     @property
     def reusable(self) -> bool:
-        return self.complete and self.keep_alive and not self.closed and self.error is None
+        """The response ended at a message boundary, nothing of it is left unread, the server
+        keeps the connection open, and its reader runs."""
+        return (
+            self.complete
+            and self.keep_alive
+            and not self.closed
+            and self.error is None
+            and not self.paused
+            and not self.body
+        )
+
+    def quiet(self) -> bool:
+        """No byte is waiting to be read (nor EOF) on the socket now: checked before reuse, for
+        bytes that came in since the event loop last polled it."""
+        if self.fd < 0:
+            return True
+        try:
+            readable, _, _ = select.select((self.fd,), (), (), 0)
+        except (OSError, ValueError):
+            return False
+        return not readable
 
 
 class _H1Response:
@@ -251,8 +332,11 @@ class _Pool:
         idle = self.idle
         while idle:
             conn = idle.pop()
-            if not conn.closed:
+            if conn.closed:
+                continue
+            if conn.quiet():
                 return conn
+            conn.close()  # bytes (or EOF) arrived while it was idle
         return None
 
     def put(self, conn: _Conn) -> None:
@@ -382,18 +466,21 @@ class H1Transport:
             self._fallback = None
 
 
-_SKIP = frozenset({"host", "content-length", "transfer-encoding", "connection"})
+_SKIP = HOP_BY_HOP | {"host", "content-length"}
 
 
 def _request_bytes(
     method: str, path: str, hostport: bytes, body: bytes | None, headers: Mapping[str, str] | None
 ) -> bytes:
     """The request head and body as one buffer. Header names/values with CR or LF are dropped (no
-    header injection); ``Host`` and ``Content-Length`` are always ours."""
+    header injection); hop-by-hop headers are dropped; ``Host`` and ``Content-Length`` are always
+    ours; names are matched case-insensitively, and of two that differ only in case the last one
+    given is sent (one line per name)."""
     lines = [f"{method} {path} HTTP/1.1\r\n".encode("latin-1"), b"Host: ", hostport, b"\r\n"]
     if headers:
-        for k, v in headers.items():
-            if k.lower() in _SKIP or "\r" in k or "\n" in k or "\r" in v or "\n" in v:
+        named = {k.lower(): (k, v) for k, v in headers.items()}
+        for low, (k, v) in named.items():
+            if low in _SKIP or "\r" in k or "\n" in k or "\r" in v or "\n" in v:
                 continue
             lines.append(f"{k}: {v}\r\n".encode("utf-8", "surrogateescape"))
     if body is not None:

@@ -6,9 +6,18 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
+from kvroute.server.observe.observer import REQUEST_ID_HEADER
 from kvroute.server.wire.validate import ApiError, error_body
 
-__all__ = ["JSON", "error_response", "extract_cached_tokens", "forward_headers", "read_body", "usage_count"]
+__all__ = [
+    "HOP_BY_HOP",
+    "JSON",
+    "error_response",
+    "extract_cached_tokens",
+    "forward_headers",
+    "read_body",
+    "usage_count",
+]
 
 JSON = "application/json"
 
@@ -34,16 +43,59 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-_HOP = frozenset(
-    {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding", "upgrade"}
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "proxy-authorization",
+        "proxy-authenticate",
+        "expect",
+        "http2-settings",
+    }
 )
+"""Lower-case names of the headers that concern one connection, never forwarded (RFC 9110 section
+7.6.1, plus ``Expect``, which the router answers itself, and ``HTTP2-Settings``); so are the
+headers a ``Connection`` header names."""
+
+_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "accept-encoding", REQUEST_ID_HEADER}
 
 
 def forward_headers(request: web.Request) -> dict[str, str]:
-    """The client's headers to send upstream: hop-by-hop ones dropped, a JSON content type."""
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-    headers["Content-Type"] = JSON
-    return headers
+    """The client's headers to send upstream, keyed by lower-case name: hop-by-hop ones dropped
+    (:data:`HOP_BY_HOP` and those ``Connection`` names), the client's ``x-request-id`` dropped (the
+    caller sets the router's), a JSON content type; repeated names joined into one comma-separated
+    value. Lower-case keys let the caller's own ``x-request-id`` (and a tracer's ``traceparent``)
+    replace the client's whatever case the client used: one of each reaches the engine."""
+    hdrs = request.headers
+    named = {t.strip().lower() for v in hdrs.getall("Connection", ()) for t in v.split(",")}
+    out: dict[str, str] = {}
+    for k, v in hdrs.items():
+        low = k.lower()
+        if low in _NOT_FORWARDED or low in named:
+            continue
+        out[low] = f"{out[low]}, {v}" if low in out else v
+    out["content-type"] = JSON
+    return out
+
+
+async def expect_continue(request: web.Request) -> web.Response | None:
+    """The router's own answer to a request's ``Expect`` header (aiohttp calls it before the
+    handler): ``100 Continue`` for ``100-continue`` on HTTP/1.1 (``Expect`` is never forwarded: an
+    engine's interim answer must not stand for its final one), a JSON 417 for any other
+    expectation."""
+    expect = request.headers.get("Expect", "")
+    if request.version < (1, 1):
+        return None  # HTTP/1.0 has no 100 Continue (RFC 9110 section 10.1.1): the body just follows
+    if expect.lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer's head has not been written yet
+        return None
+    return error_response(ApiError(417, "only 'Expect: 100-continue' is supported"))
 
 
 def usage_count(data: bytes, key: str, *path: str) -> int | None:

@@ -51,6 +51,11 @@ def rewrite_event(event: bytes, cached: int) -> bytes:
 
 
 async def relay_whole(resp: UpstreamResponse, p_cached: int | None, headers: dict[str, str]) -> web.Response:
+    """D's whole answer to the client; :class:`LegFailed` when it broke before it was read, or
+    its status is no final answer (a ``101``: never relayed)."""
+    if not 200 <= resp.status <= 599:
+        resp.abort()
+        raise LegFailed(f"HTTP {resp.status} is not a final answer")
     try:
         data = await resp.read()
     except UpstreamBrokenError as exc:

@@ -11,6 +11,9 @@ Rules (the pipeline's module docstring has the whole request's):
   the upstream is known to have ended, ``UpstreamResponse.ended``); one that breaks off ends with
   an SSE error event (``data: {"error": ...}`` then ``data: [DONE]``); a client that goes away
   ends it (at any chunk or at the final end of the stream: a ``cancelled`` outcome, no traceback);
+- an upstream status that is not a final answer (``101 Switching Protocols``; interim 1xx never
+  reach the relay) or not an HTTP status at all becomes a 502 JSON error: the client never gets a
+  1xx as its answer;
 - while the router shuts down (``draining()`` true), a stream cancelled by the drain ends with an SSE
   error event too.
 
@@ -103,6 +106,14 @@ async def relay(
     loop turn) or the whole body was read (buffered); ``draining``: true while the router's
     shutdown ends the requests in flight."""
     done = False
+    if not 200 <= up.status <= 599:
+        up.abort()
+        err = ApiError(
+            502, f"backend answered status {up.status}, not a final answer", etype="upstream_error"
+        )
+        resp = error_response(err)
+        resp.headers.update(headers)
+        return Relayed(UPSTREAM_ERROR, resp, 502)
     chunks: AsyncIterator[bytes] = up.iter_chunks()
     try:
         try:

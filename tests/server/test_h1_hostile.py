@@ -1,0 +1,227 @@
+"""H1Transport against upstreams that misbehave on purpose (a raw asyncio server on loopback):
+whatever an upstream sends, each request gets its own response and never a byte of another one,
+and a connection goes back to the pool only when its response ended exactly at a message boundary.
+
+Every upstream here answers request ``n`` with a body naming ``n`` (``own(n)``), so a response read
+on the wrong request is visible; each case is followed by ordinary requests over the same pool."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+
+from kvroute.server.wire.h1 import H1Transport
+from kvroute.server.wire.transport import UpstreamConnectError
+
+from .rawupstream import CLOSE, RawRequest, RawUpstream, Step, ok
+
+REQUEST_ID = "x-request-id"
+
+
+def own(rid: str) -> bytes:
+    return b'{"id":"cmpl-%s"}' % rid.encode()
+
+
+def answer(req: RawRequest) -> bytes:
+    """The well-formed answer to ``req``: its own id in the body."""
+    return ok(own(req.values(REQUEST_ID)[0]))
+
+
+@pytest.fixture
+async def transport() -> AsyncIterator[H1Transport]:
+    t = H1Transport(connect_timeout_s=1.0, read_timeout_s=3.0)
+    yield t
+    await t.close()
+
+
+async def call(t: H1Transport, url: str, rid: str, timeout_s: float = 3.0) -> tuple[int, bytes]:
+    up = await t.send(url, "POST", "/v1/completions", b"{}", {REQUEST_ID: rid}, timeout_s=timeout_s)
+    body = await up.read()
+    up.release()
+    return up.status, body
+
+
+async def then_ordinary(t: H1Transport, url: str, n: int = 3) -> None:
+    """``n`` ordinary requests after a hostile case: each gets its own answer."""
+    for i in range(n):
+        rid = f"after{i}"
+        assert await call(t, url, rid) == (200, own(rid))
+
+
+def first_only(hostile: Sequence[Step]):  # type: ignore[no-untyped-def]
+    """A script: the first request ever gets ``hostile``, every other one its own answer."""
+
+    def script(req: RawRequest) -> Sequence[Step]:
+        if req.values(REQUEST_ID)[0] == "hostile":
+            return [s if s is not None else answer(req) for s in hostile]
+        return [answer(req)]
+
+    return script
+
+
+@pytest.mark.parametrize("status", [100, 102, 103])
+async def test_interim_responses_are_consumed_not_relayed(transport: H1Transport, status: int) -> None:
+    interim = b"HTTP/1.1 %d Interim\r\nLink: </style.css>; rel=preload\r\n\r\n" % status
+    async with RawUpstream(first_only([interim, None])) as up:
+        assert await call(transport, up.url, "hostile") == (200, own("hostile"))
+        await then_ordinary(transport, up.url)
+        assert up.connections == 1  # the final answer ended at a boundary: the connection is reused
+
+
+async def test_interim_response_in_its_own_read_then_the_answer(transport: H1Transport) -> None:
+    async with RawUpstream(first_only([b"HTTP/1.1 100 Continue\r\n\r\n", 0.05, None])) as up:
+        assert await call(transport, up.url, "hostile") == (200, own("hostile"))
+        await then_ordinary(transport, up.url)
+
+
+async def test_several_interim_responses_then_the_answer(transport: H1Transport) -> None:
+    interims = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 102 Processing\r\n\r\nHTTP/1.1 103 Early Hints\r\n\r\n"
+    async with RawUpstream(first_only([interims, None])) as up:
+        assert await call(transport, up.url, "hostile") == (200, own("hostile"))
+        await then_ordinary(transport, up.url)
+
+
+async def test_101_closes_the_connection_without_a_transport_traceback(
+    transport: H1Transport, caplog: pytest.LogCaptureFixture
+) -> None:
+    upgrade = (
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n\x00\x00\x12\x04"
+    )
+    errors: list[dict[str, object]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    caplog.set_level(logging.ERROR)
+    async with RawUpstream(first_only([upgrade, 0.2])) as up:
+        resp = await transport.send(up.url, "POST", "/v1/completions", b"{}", {REQUEST_ID: "hostile"})
+        assert resp.status == 101  # the relay turns it into a 502 (tests/server/test_wire_e2e.py)
+        assert await resp.read() == b""
+        resp.release()
+        await then_ordinary(transport, up.url)
+        assert up.connections == 2  # the upgraded connection was closed, never reused
+    assert errors == []
+    assert "Fatal error" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        b"garbage",
+        b'HTTP/1.1 200 OK\r\nContent-Length: 13\r\n\r\n{"id":"evil"}',  # a second response
+        b"HTTP/1.1 200 OK\r\nContent-Le",  # a dangling head
+        b"\x00\x01\x02",
+    ],
+    ids=["garbage", "second-response", "dangling-head", "binary"],
+)
+async def test_bytes_past_the_end_in_the_same_read_close_the_connection(
+    transport: H1Transport, extra: bytes
+) -> None:
+    def script(req: RawRequest) -> Sequence[Step]:
+        if req.values(REQUEST_ID)[0] == "hostile":
+            return [answer(req) + extra]
+        return [answer(req)]
+
+    async with RawUpstream(script) as up:
+        assert await call(transport, up.url, "hostile") == (200, own("hostile"))
+        await then_ordinary(transport, up.url)
+        assert up.connections == 2
+
+
+@pytest.mark.parametrize(
+    "late",
+    [
+        b'HTTP/1.1 200 OK\r\nContent-Length: 13\r\n\r\n{"id":"evil"}',
+        b"HTTP/1.1 200 OK\r\nContent-Le",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 3000000\r\n\r\n" + b"x" * 3_000_000,  # fills the buffer
+    ],
+    ids=["late-response", "late-dangling-head", "late-stream-over-1MiB"],
+)
+async def test_bytes_arriving_while_idle_in_the_pool_close_the_connection(
+    transport: H1Transport, late: bytes
+) -> None:
+    async with RawUpstream(first_only([None, 0.05, late])) as up:
+        assert await call(transport, up.url, "hostile") == (200, own("hostile"))
+        await asyncio.sleep(0.3)  # the late bytes arrive while the connection is idle
+        await then_ordinary(transport, up.url)
+        assert up.connections == 2
+
+
+async def test_late_bytes_not_yet_read_by_the_loop_are_seen_before_reuse(transport: H1Transport) -> None:
+    """Bytes that reached the socket after the loop last read it: the pool checks before reuse."""
+    async with RawUpstream(first_only([None, 0.05, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nno"])) as up:
+        assert await call(transport, up.url, "hostile") == (200, own("hostile"))
+        await asyncio.to_thread(lambda: __import__("time").sleep(0.3))  # the loop blocked: no read
+        pool = next(p for p in transport._pools.values() if p is not None)
+        conn = pool.idle[-1]
+        conn.transport.pause_reading()  # type: ignore[union-attr]  # nothing reads them until reuse
+        assert pool.get() is None  # the waiting bytes were seen: closed, not handed out
+        await then_ordinary(transport, up.url)
+
+
+@pytest.mark.parametrize("status", [204, 304])
+async def test_bodiless_status_with_a_body_closes_the_connection(transport: H1Transport, status: int) -> None:
+    head = b"HTTP/1.1 %d Nothing\r\nContent-Type: application/json\r\n\r\n" % status
+    async with RawUpstream(first_only([head + b'{"id":"evil"}'])) as up:
+        assert await call(transport, up.url, "hostile") == (status, b"")
+        await then_ordinary(transport, up.url)
+        assert up.connections == 2
+
+
+async def test_xchunked_is_not_chunked_the_body_ends_at_close(transport: H1Transport) -> None:
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: xchunked\r\n\r\n"
+    async with RawUpstream(first_only([head + b"hello ", 0.02, b"world", CLOSE])) as up:
+        assert await call(transport, up.url, "hostile") == (200, b"hello world")
+        await then_ordinary(transport, up.url)
+
+
+async def test_transfer_encoding_is_a_token_list_last_coding_chunked(transport: H1Transport) -> None:
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: identity\r\nTransfer-Encoding: chunked\r\n\r\n"
+    async with RawUpstream(first_only([head + b"5\r\nhello\r\n0\r\n\r\n"])) as up:
+        assert await call(transport, up.url, "hostile") == (200, b"hello")
+        await then_ordinary(transport, up.url)
+        assert up.connections == 1
+
+
+async def test_trailers_are_read_and_never_change_the_head(transport: H1Transport) -> None:
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+    body = b"Trailer: Content-Type\r\n\r\n5;ext=1\r\nhello\r\n0\r\nContent-Type: text/evil\r\nX-T: 1\r\n\r\n"
+    async with RawUpstream(first_only([head + body])) as up:
+        resp = await transport.send(up.url, "POST", "/v1/completions", b"{}", {REQUEST_ID: "hostile"})
+        assert (resp.status, resp.content_type, await resp.read()) == (200, "text/event-stream", b"hello")
+        resp.release()
+        await then_ordinary(transport, up.url)
+        assert up.connections == 1
+
+
+async def test_stream_over_the_buffer_with_a_stalled_reader_is_never_reused(transport: H1Transport) -> None:
+    """A stream that fills the 1 MiB buffer while nobody reads it pauses the reader; such a
+    connection is closed, and the next request gets a head at once (it never waits on a paused
+    transport)."""
+    chunk = b"data: " + b"x" * 65536 + b"\n\n"
+    piece = b"%x\r\n%s\r\n" % (len(chunk), chunk)
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    async with RawUpstream(first_only([head, *([piece] * 40), b"0\r\n\r\n"])) as up:
+        resp = await transport.send(up.url, "POST", "/v1/completions", b"{}", {REQUEST_ID: "hostile"})
+        await asyncio.sleep(0.3)  # the client stalls: more than 1 MiB arrives, reading pauses
+        resp.release()  # not read to its end: closed
+        await then_ordinary(transport, up.url)
+
+
+async def test_a_head_that_never_comes_is_a_connect_error_for_that_request_only(
+    transport: H1Transport,
+) -> None:
+    async with RawUpstream(first_only([b"HTTP/1.1 100 Continue\r\n\r\n", 5.0])) as up:
+        with pytest.raises(UpstreamConnectError):
+            await call(transport, up.url, "hostile", timeout_s=0.3)
+        await then_ordinary(transport, up.url)
+
+
+async def test_the_pd_relay_never_relays_a_101(transport: H1Transport) -> None:
+    from kvroute.server.wire.pdrelay import LegFailed, relay_whole
+
+    upgrade = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n"
+    async with RawUpstream(first_only([upgrade, 0.2])) as up:
+        resp = await transport.send(up.url, "POST", "/v1/completions", b"{}", {REQUEST_ID: "hostile"})
+        with pytest.raises(LegFailed, match="101"):
+            await relay_whole(resp, None, {})

@@ -4,12 +4,13 @@ the clients and the upstream run on one background event loop (:class:`Harness`)
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 
-from kvroute.conformance.frontdoor import ProcessFrontDoor, emulated_engine, serve_front_door
+from kvroute.conformance.frontdoor import FrontDoor, FrontDoorFactory, emulated_engine, serve_front_door
 from kvroute.conformance.runner import Harness, Suite, Target
 from kvroute.conformance.upstream import MisbehavingUpstream
 
@@ -20,7 +21,7 @@ TIMEOUT_S = 5.0
 @dataclass(frozen=True)
 class World:
     harness: Harness
-    door: ProcessFrontDoor
+    door: FrontDoor
     suite: Suite
     upstream: Target
     engine: Target
@@ -28,13 +29,20 @@ class World:
 
 @pytest.fixture(scope="session")
 def world() -> Iterator[World]:
+    with world_through(serve_front_door) as w:
+        yield w
+
+
+@contextlib.contextmanager
+def world_through(front_door: FrontDoorFactory) -> Iterator[World]:
+    """The misbehaving upstream and an emulated engine behind the front door ``front_door`` makes."""
     harness = Harness()
     upstream = MisbehavingUpstream("faulty")
     harness.call(upstream.start())
     try:
         with (
             emulated_engine("emu", time_scale=50.0) as engine,
-            serve_front_door([upstream.url, engine]) as door,
+            front_door([upstream.url, engine]) as door,
         ):
             suite = Suite(door, timeout_s=TIMEOUT_S)
             up, emu = Target("upstream", "faulty", upstream), Target("engine", "emu")

@@ -11,7 +11,9 @@ What it sets up (one listener, two clusters):
   client sends), load-balanced by Envoy's ``override_host`` policy from the picker's endpoint list:
   the ``x-gateway-destination-endpoint`` header and the ``envoy.lb`` metadata (metadata only with
   ``metadata_only``), tried in order on a connection failure (``retries`` more attempts);
-- cluster ``picker``: the picker's gRPC port (HTTP/2).
+- cluster ``picker``: the picker's gRPC port (HTTP/2);
+- the answers Envoy makes itself (an upstream that fails, a malformed request) carry an OpenAI-style
+  JSON error body, as the router's own do; up to 256 request headers.
 
 The admin port is for ``/ready`` and ``/stats/prometheus`` on loopback.
 """
@@ -129,6 +131,28 @@ def _ext_proc(s: GatewaySettings) -> dict[str, Any]:
     }
 
 
+GATEWAY_ERROR_FLAGS = ("UF", "UH", "UO", "URX", "UPE", "UC", "UT", "UR", "NR", "DPE", "UMSDR", "DC")
+"""Envoy's response flags of the answers it makes itself for an upstream or protocol failure: these
+get an OpenAI-style JSON error body (a picker's immediate responses carry none: kept as they are)."""
+
+
+def _local_replies() -> dict[str, Any]:
+    error = {
+        "message": "%LOCAL_REPLY_BODY%",
+        "type": "gateway_error",
+        "param": None,
+        "code": "%RESPONSE_CODE%",
+    }
+    return {
+        "mappers": [
+            {
+                "filter": {"response_flag_filter": {"flags": list(GATEWAY_ERROR_FLAGS)}},
+                "body_format_override": {"json_format": {"error": error}},
+            }
+        ]
+    }
+
+
 def envoy_config(s: GatewaySettings) -> dict[str, Any]:
     """Envoy's bootstrap config (a JSON-able dict) for ``s`` (module docstring)."""
     route = {
@@ -140,6 +164,11 @@ def envoy_config(s: GatewaySettings) -> dict[str, Any]:
         "@type": _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "gateway",
         "codec_type": "AUTO",
+        "common_http_protocol_options": {"max_headers_count": 256},
+        # the request's id is the client's x-request-id, else the picker's (as from the proxy)
+        "preserve_external_request_id": True,
+        "generate_request_id": False,
+        "local_reply_config": _local_replies(),
         "route_config": {
             "name": "gateway",
             "virtual_hosts": [

@@ -47,15 +47,33 @@ from kvroute.server.stages.forward import Reservation, reserve, sent, takes
 from kvroute.server.stages.prepare import Tail, prepare
 from kvroute.server.stages.settle import refuse, settle, unavailable
 from kvroute.server.state.backends import Lease
+from kvroute.server.wire.http import error_response
 from kvroute.server.wire.relay import CANCELLED, CLIENT_ERROR, OK, TAIL_BYTES, UPSTREAM_ERROR, Relayed
 from kvroute.server.wire.validate import ApiError, parse_request
 
-__all__ = ["INFERENCE_PATHS", "KEEP_BYTES", "Exchange", "Immediate", "Picker", "Route", "endpoint_of"]
+__all__ = [
+    "ENGINE_PATHS",
+    "INFERENCE_PATHS",
+    "KEEP_BYTES",
+    "MAX_HEADERS",
+    "Exchange",
+    "Immediate",
+    "Picker",
+    "Route",
+    "endpoint_of",
+]
 
 log = logging.getLogger("kvroute.server")
 
 INFERENCE_PATHS = {"/v1/chat/completions": True, "/v1/completions": False}
 """The paths routed through the stages, and whether each is a chat request."""
+
+ENGINE_PATHS = ("/v1/", "/health", "/metrics", "/version", "/tokenize", "/detokenize")
+"""Path prefixes of the engines' own endpoints, passed through to one of them; any other path is
+answered 404 by the picker (as by the proxy: its own admin and debug routes are on its HTTP port)."""
+
+MAX_HEADERS = 128
+"""A request with more headers than this is answered 431 (engines built on aiohttp refuse it too)."""
 
 KEEP_BYTES = 1 << 20
 """A non-streamed response body is kept up to this many bytes to read its usage (bytes)."""
@@ -111,12 +129,17 @@ class Picker:
         chat = INFERENCE_PATHS.get(path.partition("?")[0])
         return None if chat is None else Exchange(self, path.partition("?")[0], chat, headers)
 
-    def plain(self) -> Route | Immediate:
-        """A request that is not inference: a healthy backend, round robin (503 when none)."""
-        ready = [b for b in self.state.backends if b.routable]
+    def plain(self, path: str, headers: Mapping[str, str]) -> Route | Immediate:
+        """A request that is not inference: to a healthy backend, round robin (503 when none), when
+        ``path`` is one of the engines' (:data:`ENGINE_PATHS`); else 404, as from the proxy."""
+        state, obs = self.state, self.observer
+        if not path.partition("?")[0].startswith(ENGINE_PATHS):  # as the proxy's 404: no request id
+            state.counters.client_errors += 1
+            return Immediate.of(error_response(ApiError(404, f"no such endpoint: {path[:200]}")))
+        ready = [b for b in state.backends if b.routable]
         if not ready:
             err = ApiError(503, "no healthy backend", etype="service_unavailable")
-            return Immediate.of(refuse(self.state, self.observer, err, "-", "-", time.perf_counter()))
+            return Immediate.of(refuse(state, obs, err, request_id(headers), path, time.perf_counter()))
         return Route((endpoint_of(ready[next(self._turn) % len(ready)].url),))
 
 

@@ -23,6 +23,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from kvroute.server.observe.observer import REQUEST_ID_HEADER
+from kvroute.server.wire.http import HOP_BY_HOP
+
 __all__ = [
     "BODY_PIECE",
     "DESTINATION",
@@ -32,7 +35,9 @@ __all__ = [
     "SUBSET_NAMESPACE",
     "body_pieces",
     "continue_headers",
+    "first_request_id",
     "headers_of",
+    "hop_by_hop",
     "immediate",
     "route_headers",
     "served_endpoint",
@@ -53,6 +58,9 @@ BODY_PIECE = 62_000
 """A request body goes back to Envoy in pieces of at most this many bytes (as the reference picker)."""
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+_ENVOY_OWN = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"})
+"""Hop-by-hop headers Envoy itself never forwards (and does not let a processor touch)."""
 
 
 def headers_of(headers: pb.HttpHeaders) -> list[tuple[str, str]]:
@@ -80,16 +88,33 @@ def _mutation(headers: dict[str, str]) -> list[base_pb2.HeaderValueOption]:
     ]
 
 
+def hop_by_hop(pairs: list[tuple[str, str]]) -> list[str]:
+    """The request's headers that must not reach the upstream (the proxy's rule, RFC 9110 section
+    7.6.1): :data:`~kvroute.server.wire.http.HOP_BY_HOP` and those its ``Connection`` names, as
+    present in ``pairs`` (lower-case names)."""
+    named = {t.strip().lower() for k, v in pairs if k == "connection" for t in v.split(",")}
+    return sorted({k for k, _ in pairs if k in HOP_BY_HOP or k in named} - _ENVOY_OWN)
+
+
+def first_request_id(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``pairs`` with the client's first ``x-request-id`` only: Envoy joins repeated ones with commas
+    (the proxy, too, takes the first)."""
+    return [(k, v.split(",", 1)[0].strip()) if k == REQUEST_ID_HEADER else (k, v) for k, v in pairs]
+
+
 def route_headers(
-    endpoints: tuple[str, ...], upstream: tuple[tuple[str, str], ...], metadata_only: bool
+    endpoints: tuple[str, ...],
+    upstream: tuple[tuple[str, str], ...],
+    metadata_only: bool,
+    drop: list[str] | None = None,
 ) -> pb.ProcessingResponse:
     """The answer to the request headers: the destination in the metadata and (unless
     ``metadata_only``) in the header, which is always overwritten (a client's own value, forged or
     not, never reaches Envoy's load balancer: metadata-only removes it); ``upstream``: more headers
-    to set on the upstream request."""
+    to set on the upstream request; ``drop``: headers to remove from it."""
     value = ",".join(endpoints)
     headers = dict(upstream)
-    remove: list[str] = []
+    remove: list[str] = list(drop or ())
     if metadata_only:
         remove.append(DESTINATION)
     else:

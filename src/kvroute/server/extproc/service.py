@@ -34,7 +34,7 @@ from grpc_health.v1.health import aio as health_aio
 from multidict import CIMultiDict
 
 from kvroute.server.extproc import messages as m
-from kvroute.server.extproc.exchange import Exchange, Immediate, Picker, Route
+from kvroute.server.extproc.exchange import MAX_HEADERS, Exchange, Immediate, Picker, Route
 from kvroute.server.wire.http import error_response
 from kvroute.server.wire.relay import shutting_down
 from kvroute.server.wire.validate import ApiError
@@ -47,10 +47,12 @@ HEALTH_EVERY_S = 1.0
 READY_SERVICES = ("", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
 
 
-def _answer(result: Route | Immediate, metadata_only: bool) -> list[pb.ProcessingResponse]:
+def _answer(
+    result: Route | Immediate, metadata_only: bool, drop: list[str] | None = None
+) -> list[pb.ProcessingResponse]:
     if isinstance(result, Immediate):
         return [m.immediate(result.status, result.body, result.headers)]
-    return [m.route_headers(result.endpoints, result.headers, metadata_only)]
+    return [m.route_headers(result.endpoints, result.headers, metadata_only, drop)]
 
 
 class _Stream:
@@ -64,6 +66,7 @@ class _Stream:
         self.size = 0
         self.routed = False
         self.done = False  # answered with an immediate response
+        self.drop: list[str] = []  # hop-by-hop headers to remove from the upstream request
 
     async def on(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = req.WhichOneof("request")
@@ -78,9 +81,12 @@ class _Stream:
             return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if kind == "response_headers":
             pairs = m.headers_of(req.response_headers)
+            status = m.status_of(pairs)
+            if status < 200:  # an interim answer (or a switch) as the final one: never relayed
+                return self._interim(status, m.served_endpoint(req))
             add = {}
             if self.exchange is not None:
-                add = self.exchange.served(m.status_of(pairs), m.served_endpoint(req))
+                add = self.exchange.served(status, m.served_endpoint(req))
                 if req.response_headers.end_of_stream:
                     self.exchange.body(b"", True)
             return [m.continue_headers(True, add)]
@@ -105,15 +111,22 @@ class _Stream:
             return _answer(
                 Immediate.of(error_response(shutting_down("not accepting requests"), retry)), False
             )
-        headers = CIMultiDict(m.headers_of(req.request_headers))
+        pairs = m.first_request_id(m.headers_of(req.request_headers))
+        self.drop = m.hop_by_hop(pairs)
+        headers = CIMultiDict(pairs)
         self.subset = m.subset_hint(req)
         method = headers.get(":method", "GET")
         path = headers.get(":path", "/")
+        if sum(not k.startswith(":") for k, _ in pairs) > MAX_HEADERS:
+            err = ApiError(
+                431, f"more than {MAX_HEADERS} request headers", code="request_header_fields_too_large"
+            )
+            return self._finish(Immediate.of(error_response(err)))
         if method == "POST":
             self.exchange = service.picker.exchange(path, headers)
         if self.exchange is None:  # not inference: routed now, the body passes through
             self.routed = True
-            return self._finish(service.picker.plain())
+            return self._finish(service.picker.plain(path, headers))
         if req.request_headers.end_of_stream:  # an inference request with no body
             return self._finish(self.exchange.refuse(ApiError(400, "the request has no body")))
         return []
@@ -146,7 +159,16 @@ class _Stream:
 
     def _finish(self, result: Route | Immediate) -> list[pb.ProcessingResponse]:
         self.done = isinstance(result, Immediate)
-        return _answer(result, self.service.metadata_only)
+        return _answer(result, self.service.metadata_only, self.drop)
+
+    def _interim(self, status: int, served: str | None) -> list[pb.ProcessingResponse]:
+        """The upstream's final answer was a 1xx: the client gets a 502 JSON error instead."""
+        self.done = True
+        if self.exchange is not None:
+            self.exchange.served(502, served)
+            self.exchange.body(b"", True)
+        err = ApiError(502, f"the backend answered {status} instead of a response", etype="upstream_error")
+        return _answer(Immediate.of(error_response(err)), False)
 
     def close(self) -> None:
         if self.exchange is not None:

@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "profiles": "profiles",
     "engine": "engine",
     "serve": "serve",
+    "epp": "epp",
     "up": "up",
     "bench": "bench",
     "prompt": "prompt",

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 HELP = "start N engines (emulated, or real vLLM) with KV events on and the router in front; Ctrl-C stops all"
 
 ENGINES = ("emulated", "vllm")
+GATEWAYS = ("none", "envoy")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,6 +87,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not use the engines' KV events (approximate KV view from routing history)",
     )
+    p.add_argument(
+        "--gateway",
+        choices=GATEWAYS,
+        default="none",
+        help="envoy: a real Envoy (the gateway extra) on --port in front of the engines, with kvroute "
+        "as its endpoint picker (ext_proc); none: kvroute's own proxy on --port (default)",
+    )
+    p.add_argument(
+        "--envoy-concurrency",
+        type=int,
+        default=2,
+        metavar="N",
+        help="--gateway envoy: Envoy's worker threads (default 2)",
+    )
     add_router_arguments(p, backends=False)
 
 
@@ -110,7 +125,10 @@ def run(args: argparse.Namespace) -> int:
     from kvroute.server.app import RouterServer
     from kvroute.server.cluster import EngineCluster
     from kvroute.server.config import BackendSpec, RouterConfig
-    from kvroute.server.run import run_loop, serve_until_signal
+    from kvroute.server.run import Reloadable, run_loop, serve_until_signal
+
+    if args.gateway == "envoy":
+        from kvroute.server.extproc.gateway import Gateway
 
     if args.instances < 1:
         raise UserError("--instances must be >= 1")
@@ -118,6 +136,14 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--time-scale must be positive")
     make_policy(args.policy or DEFAULT_POLICY)
     vllm = vllm_settings(args) if args.engine == "vllm" else None
+    if args.gateway == "envoy":
+        from kvroute.commands.epp import require_gateway
+        from kvroute.server.extproc.envoyproc import find_envoy
+
+        require_gateway()
+        find_envoy()
+        if args.envoy_concurrency < 1:
+            raise UserError("--envoy-concurrency must be >= 1")
 
     async def main() -> int:
         if vllm is not None:
@@ -149,13 +175,25 @@ def run(args: argparse.Namespace) -> int:
                 RouterConfig(backends=backends, engine_limits=limits), **given
             ).validate()
             cfg = with_feature_flags(cfg, args)
-            server = RouterServer(cfg)
+            gateway = None
+            if args.gateway == "envoy":  # Envoy on the port; the picker's HTTP (dashboard) on a free one
+                gateway = Gateway(cfg, args.envoy_concurrency)
+                server: Reloadable = gateway.picker
+                starting = gateway.start
+            else:
+                router = RouterServer(cfg)
+                server, starting = router, router.start
             try:
-                url = await server.start()
+                url = await starting()
             except OSError as exc:
                 await server.stop()
                 raise UserError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}") from None
+            except BaseException:
+                await server.stop()
+                raise
             print(f"kvroute up: {args.instances} {what}, policy={cfg.policy}", file=sys.stderr)
+            if gateway is not None:
+                print(f"  {gateway.describe()}", file=sys.stderr)
             for b in backends:
                 print(f"  engine {b.url}  kv_events={b.kv_events or 'off'}", file=sys.stderr)
             # a token made here is printed to a terminal (it opens the page directly), never into a
@@ -174,8 +212,12 @@ def run(args: argparse.Namespace) -> int:
                 f'curl -H "Authorization: Bearer {shown}" {url}/debug/decisions',
                 file=sys.stderr,
             )
-            print(f"router: {url}/v1", flush=True)
-            await serve_until_signal(server)
+            print(f"router: {gateway.url if gateway is not None else url}/v1", flush=True)
+            try:
+                await serve_until_signal(server)
+            finally:
+                if gateway is not None:
+                    gateway.stop()
         finally:
             stop()
         return 0

@@ -116,6 +116,11 @@ class Proxy:
         observer.waiting = self.waiting
 
     @property
+    def tokenize_pool(self) -> ThreadPoolExecutor:
+        """The worker thread that tokenizes long prompts (shared by every front door of the process)."""
+        return self._tokenize_pool
+
+    @property
     def inflight(self) -> int:
         """Requests in flight (being read, routed, forwarded or relayed)."""
         return len(self._inflight)
@@ -229,7 +234,7 @@ class Proxy:
             if err.close:  # the rest of the request is never read: the connection cannot go on
                 resp.force_close()
             return resp
-        self._timed(t0, t1, prep, t5)
+        self.timed(t0, t1, prep, t5)
         tail = None
         if prep.pending is not None:  # tokenize=defer: the new text is tokenized on the way
             tail = Tail(state, plan.cached_blocks, self._tokenize_pool, prep.pending, prep.key)
@@ -257,18 +262,18 @@ class Proxy:
                     up = await forward(self.transport, target, path, raw, headers)  # forward
                     sent(state, plan, target, tail)
                 except UpstreamTimeoutError as exc:  # the backend has it and is slow: not its failure
-                    self._release(lease)
+                    self.release(lease)
                     return late(state, obs, rec, str(exc))
                 except UpstreamConnectError as exc:
-                    self._release(lease)
+                    self.release(lease)
                     self._eject(state.backends[idx], f"{exc} (request {rid})")
                     last_error = f"backend {target.url} unreachable"
                     continue
                 except BaseException:
-                    self._release(lease)
+                    self.release(lease)
                     raise
                 if up.status in RETRYABLE_STATUS and n + 1 < len(attempts):
-                    self._release(lease)
+                    self.release(lease)
                     up.abort()
                     last_error = f"backend {target.url} answered {up.status}"
                     continue
@@ -279,13 +284,13 @@ class Proxy:
                         up,
                         parsed.stream,
                         obs.response_headers(rec),
-                        lease.first_byte if waiting is None else self._first_byte(lease),
+                        self.first_byte(lease),
                         after,
                         self._draining,
                         state.config.write_timeout_s,
                     )
                 finally:
-                    self._release(lease)
+                    self.release(lease)
                 if out.outcome == BROKEN:
                     self._eject(state.backends[idx], out.error)
                     last_error = f"backend {target.url} failed before its first byte"
@@ -300,19 +305,26 @@ class Proxy:
         finally:
             if hold is not None:  # no attempt was made
                 hold.release()
-                self._release(None)
+                self.release(None)
             obs.finish(rec)
             if recording is not None:
                 chain = tail.chain if tail is not None and tail.chain is not None else plan.chain
                 prompt = plan.decision.prompt_tokens
                 recording.end(ticket, arrival, parsed, chain, prompt, request.headers, rec.status, end)
 
-    def _release(self, lease: Lease | None) -> None:
+    def release(self, lease: Lease | None) -> None:
         """End ``lease``; with the router-side queue, the freed room may let a waiting request go."""
         if lease is not None:
             lease.release()
         if self.waiting is not None:
             self.waiting.poke()
+
+    def first_byte(self, lease: Lease) -> Callable[[], None]:
+        """What to call at ``lease``'s first byte: it turns running (with the router-side queue, the
+        freed room may let a waiting request go)."""
+        if self.waiting is None:
+            return lease.first_byte
+        return self._first_byte(lease)
 
     def _first_byte(self, lease: Lease) -> Callable[[], None]:
         waiting = self.waiting
@@ -324,7 +336,7 @@ class Proxy:
 
         return first_byte
 
-    def _timed(self, t0: float, t1: float, prep: Prepared, t5: float) -> None:
+    def timed(self, t0: float, t1: float, prep: Prepared, t5: float) -> None:
         """Add one request's routing time (seconds) to the totals by step."""
         stages = self.stage_seconds
         stages["parse"] += t1 - t0

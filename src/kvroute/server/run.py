@@ -21,6 +21,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvroute.errors import UserError
 from kvroute.policies.registry import make_policy
@@ -29,7 +30,15 @@ from kvroute.server.app import RouterServer
 from kvroute.server.config import RouterConfig
 from kvroute.server.sync.discovery import ParseBackends
 
-__all__ = ["Reloader", "Signals", "run_loop", "serve_forever", "serve_until_signal", "wait_for_signal"]
+__all__ = [
+    "Reloadable",
+    "Reloader",
+    "Signals",
+    "run_loop",
+    "serve_forever",
+    "serve_until_signal",
+    "wait_for_signal",
+]
 
 
 def _say(line: str) -> None:
@@ -51,7 +60,7 @@ class Reloader:
         with_features(make_policy(new.policy), new.features)
         return new
 
-    def reload(self, server: RouterServer) -> bool:
+    def reload(self, server: Reloadable) -> bool:
         """Reload into ``server``; one line on stderr either way. True if applied."""
         if self.path is None:
             _say("SIGHUP: no --config file: nothing to reload; still serving")
@@ -116,7 +125,17 @@ async def wait_for_signal() -> None:
         await signals.stop.wait()
 
 
-async def serve_until_signal(server: RouterServer, reloader: Reloader | None = None) -> None:
+class Reloadable(Protocol):
+    """What SIGHUP reloads and SIGTERM drains: a :class:`RouterServer`, or a server around one."""
+
+    def apply_config(self, new: RouterConfig) -> str: ...
+
+    async def shutdown(self, hurry: asyncio.Event | None = None) -> int: ...
+
+    async def stop(self) -> None: ...
+
+
+async def serve_until_signal(server: Reloadable, reloader: Reloader | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then drain and stop ``server``; SIGHUP reloads with ``reloader``
     (see the module docstring)."""
     reload = None if reloader is None else (lambda: reloader.reload(server))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvroute.features.classes import CLASS_HEADER, resolve_class
@@ -57,21 +57,28 @@ def decide(
     req: ParsedRequest,
     prep: Prepared,
     headers: Mapping[str, str] | None = None,
+    only: Collection[int] | None = None,
 ) -> Plan:
     """Route ``req`` (tokens and chain in ``prep``; ``headers``: the client's, for the class header
     and the API key) through the routing core. Candidates: the healthy active backends of
-    ``req.model``'s pool. Raises ApiError(503) when no backend is healthy, 400 for an unknown request
-    class, QuotaExceeded (429) over quota, 404 for a model no backend serves."""
+    ``req.model``'s pool (``only``: of these backend indices, e.g. a gateway's subset hint). Raises
+    ApiError(503) when no backend is healthy, 400 for an unknown request class, QuotaExceeded (429)
+    over quota, 404 for a model no backend serves."""
     now = state.clock()
-    views = candidate_views(state, req.model, now)
+    views = candidate_views(state, req.model, now, only)
     rr = route_request(state, req, headers or {}, prep)
     return plan_of(state, rr, prep, views, state.routing.route(rr, views, now), now)
 
 
-def candidate_views(state: RouterState, model: str | None, now: float) -> list[InstanceView]:
-    """The instance views of ``model``'s candidates (the healthy active backends of its pool) at
-    ``now``; ApiError(503) when no backend is healthy, 404 for a model no backend serves."""
-    candidates = [b for b in state.backends if b.healthy and b.state == ACTIVE]
+def candidate_views(
+    state: RouterState, model: str | None, now: float, only: Collection[int] | None = None
+) -> list[InstanceView]:
+    """The instance views of ``model``'s candidates (the healthy active backends of its pool, among
+    the backend indices ``only`` when given) at ``now``; ApiError(503) when no backend is healthy,
+    404 for a model no backend serves."""
+    candidates = [
+        b for b in state.backends if b.healthy and b.state == ACTIVE and (only is None or b.index in only)
+    ]
     if not candidates:
         raise ApiError(503, "no healthy backend", etype="service_unavailable")
     if state.pools.known and model is not None:

@@ -8,6 +8,10 @@ cache's hit-rate ceiling and its mean TTFT lower bound), and ``lmetric``'s simul
 KV hit rate on the same workload; at the profile's KV pool and at an eighth of it (where the pools
 bind). And the bound's own cost on long contexts: 600 requests of 40 conversations whose contexts
 grow to 200,000 tokens (16-token blocks, 3 million block ids), 8 instances (no simulation there).
+And the capacity bound at the preset's SLO for the Mooncake trace, with and without the KV capacity
+conditions, on the preset's own run (30 s of arrivals), beside ``lmetric``'s committed capacity
+there (seed 0); the synthetic workloads' searches reach ×100 and more (over 100,000 requests a
+probe), too slow for this study.
 Writes ``benchmarks/results/bound_kv.json``::
 
     python -m benchmarks.study_bound --trace ../shared/traces/mooncake/conversation_trace.jsonl
@@ -16,6 +20,7 @@ Writes ``benchmarks/results/bound_kv.json``::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import time
@@ -23,7 +28,8 @@ from dataclasses import replace
 from typing import Any
 
 from benchmarks.common import ROOT, SHARED, write
-from kvroute.sim.bound import spec_bound, spec_engine, workload_bound
+from kvroute.commands.preset_report import capacities
+from kvroute.sim.bound import bound_summary, spec_bound, spec_engine, workload_bound
 from kvroute.sim.runner import RunSpec, load_profile, run_spec
 from kvroute.workloads.request import Request
 
@@ -32,6 +38,7 @@ POLICY = "lmetric"
 POOL_FRACTIONS = (1.0, 0.125)
 MOONCAKE_RATE = 2.0**1.5  # the preset's default load on the trace (×2.83)
 MOONCAKE_DURATION = 1200.0  # the preset's Mooncake duration (s of scaled arrivals)
+CAPACITY_WORKLOADS = ("mooncake",)  # whose capacity bound is searched (the others' are slow)
 
 
 def cases(trace: str | None) -> list[tuple[str, RunSpec]]:
@@ -139,6 +146,50 @@ def long_context_cost() -> dict[str, Any]:
     }
 
 
+def _at_rate(base: RunSpec, rate: float) -> RunSpec:
+    return replace(base, rate_scale=rate)
+
+
+def preset_capacity() -> list[dict[str, Any]]:
+    """Per preset workload: the capacity bound with and without the KV capacity conditions at its
+    SLO (searched from its default load, as the preset does), beside ``lmetric``'s capacity."""
+    preset = json.loads(PRESET.read_text())
+    plan = preset["plan"]
+    out = []
+    for w in preset["workloads"]:
+        if w["name"] not in CAPACITY_WORKLOADS:
+            continue
+        base = RunSpec(
+            workload=w["workload"],
+            trace=w["trace"],
+            instances=int(plan["instances"]),
+            duration=float(w["duration"]),
+            seed=int(plan["seeds"][0]),
+        )
+        slo = (float(w["slo"]["ttft_p99_ms"]), float(w["slo"]["tpot_p99_ms"]))
+        t0 = time.perf_counter()
+        b = bound_summary(functools.partial(_at_rate, base), [], slo, float(w["default_rate"]))
+        reached = capacities(w).get(POLICY)
+        out.append(
+            {
+                "workload": w["name"],
+                "slo": {"ttft_p99_ms": slo[0], "tpot_p99_ms": slo[1]},
+                "capacity_bound": b["capacity"],
+                "capacity_bound_any_order": b["capacity_any_order"],
+                POLICY: reached,
+                "of_bound": reached / b["capacity"] if reached and b["capacity"] else None,
+                "of_bound_any_order": reached / b["capacity_any_order"]
+                if reached and b["capacity_any_order"]
+                else None,
+                "seconds": time.perf_counter() - t0,
+            }
+        )
+        print(
+            f"{w['name']}: capacity ≤ ×{b['capacity']} (any order ×{b['capacity_any_order']}), {POLICY} ×{reached}"
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default = SHARED / "traces" / "mooncake" / "conversation_trace.jsonl"
@@ -163,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
             "policy": POLICY,
             "rows": rows,
             "long_contexts": long_context_cost(),
+            "capacity": preset_capacity(),
         },
     )
 

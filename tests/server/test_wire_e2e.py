@@ -349,14 +349,15 @@ def engine_script(post_steps):  # type: ignore[no-untyped-def]
     return script
 
 
-async def pd_router(tokenizer: Tokenizer, p_url: str, d_url: str):  # type: ignore[no-untyped-def]
+async def pd_router(tokenizer: Tokenizer, p_url: str, *d_urls: str, **kw: object):  # type: ignore[no-untyped-def]
+    """A started P/D router over P ``p_url`` and the D ``d_urls`` (``kw``: to ``PDServer``)."""
     from kvroute.engine.cost import LinearCostModel
     from kvroute.engine.transfer import TransferModel
     from kvroute.server.pd import PDBackend, PDConfig, PDServer
 
     cost = LinearCostModel("test-linear", decode_s_per_seq=0.01, prefill_s_per_token=2e-5)
-    cfg = PDConfig((PDBackend(p_url),), (PDBackend(d_url),), conditional=False)
-    router = PDServer(cfg, tokenizer, cost, TransferModel(100_000.0, 100e9))
+    cfg = PDConfig((PDBackend(p_url),), tuple(PDBackend(u) for u in d_urls), conditional=False)
+    router = PDServer(cfg, tokenizer, cost, TransferModel(100_000.0, 100e9), **kw)  # type: ignore[arg-type]
     port = await router.start("127.0.0.1", 0)
     return router, port
 

@@ -16,6 +16,7 @@ import pytest
 from kvroute.emulator.server import EmulatorServer
 from kvroute.server.app import RouterServer
 from kvroute.server.config import BackendSpec, RouterConfig
+from kvroute.server.wire.h1 import H1Transport
 from kvroute.tokenizer import Tokenizer
 
 from .rawupstream import RawRequest, RawUpstream, Step, ok
@@ -272,3 +273,29 @@ async def test_the_pd_router_refuses_an_id_already_in_flight_too(tokenizer: Toke
             assert status == 200 and completion_ids(data) == {b"cmpl-pd-shared"}
         finally:
             await router.stop()
+
+
+async def test_the_pd_router_answers_a_slow_decode_504_and_tries_no_other(tokenizer: Tokenizer) -> None:
+    """D took the request and gives no head within the read timeout: the client's 504, and the
+    long generation is not submitted again to the next D."""
+    decode_posts: list[str] = []
+
+    def decode(rid: str) -> list[Step]:
+        decode_posts.append(rid)
+        return [3.0, ok(b'{"id":"cmpl-%s","choices":[{"text":"x"}]}' % rid.encode())]
+
+    async with (
+        RawUpstream(engine_script(lambda rid: [P_ANSWER])) as p,
+        RawUpstream(engine_script(decode)) as d1,
+        RawUpstream(engine_script(decode)) as d2,
+    ):
+        transport = H1Transport(connect_timeout_s=1.0, read_timeout_s=0.4)
+        router, port = await pd_router(tokenizer, p.url, d1.url, d2.url, transport=transport)
+        try:
+            status, _, data = final_answer(await raw_exchange(port, post(PD_BODY, "X-Request-Id: pd-slow")))
+            assert status == 504, data
+            assert orjson.loads(data)["error"]["type"] == "timeout_error"
+            assert decode_posts == ["pd-slow"]
+        finally:
+            await router.stop()
+            await transport.close()

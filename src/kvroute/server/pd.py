@@ -13,7 +13,9 @@ toy_proxy_server.py``; vllm-project/router ``src/routers/http/vllm_pd_router.rs`
 2. **D leg**: the original body plus P's ``kv_transfer_params``, the same ``X-Request-Id``; D's answer
    (stream or not) is relayed, with ``usage.prompt_tokens_details.cached_tokens`` replaced by P's (D
    counts the transferred tokens as cached). D failing before its first byte → the next D by load
-   (P's blocks are still leased, the next D reads them).
+   (P's blocks are still leased, the next D reads them); D taking the request and giving no head in
+   time (the transport's read timeout: a long non-streamed generation) → the client's 504
+   ``timeout_error``, D's request cancelled (its connection closed), no other D tried.
 3. A client that disconnects aborts the leg in progress (its upstream connection is dropped, which
    makes a vLLM engine abort the request; D still notifies P). Between the legs, P's lease expires.
 
@@ -74,11 +76,13 @@ from kvroute.server.wire.http import expect_continue
 from kvroute.server.wire.httperrors import RateLimitedLog, json_errors
 from kvroute.server.wire.limits import ClientLimits, LimitedRunner, read_body_within
 from kvroute.server.wire.pdrelay import LegFailed, relay_stream, relay_whole
+from kvroute.server.wire.relay import timed_out
 from kvroute.server.wire.transport import (
     Transport,
     UpstreamBrokenError,
     UpstreamConnectError,
     UpstreamResponse,
+    UpstreamTimeoutError,
 )
 from kvroute.server.wire.validate import ApiError, ParsedRequest, error_body, parse_request, too_long
 from kvroute.tokenizer import Tokenizer
@@ -645,6 +649,9 @@ class PDServer:
             try:
                 try:
                     resp = await self._send(url, path, raw, rid)
+                except UpstreamTimeoutError as exc:  # D has it and is slow: this client's 504
+                    log.info("decode %s gave no answer in time for %s", url, rid)
+                    return _json_error(timed_out(str(exc)), headers)
                 except (UpstreamConnectError, aiohttp.ClientError, OSError) as exc:
                     raise LegFailed(str(exc)) from None
                 if not 200 <= resp.status < 500:  # a 5xx, or no final answer (a 101)

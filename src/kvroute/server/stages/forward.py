@@ -71,7 +71,9 @@ async def forward(
     transport: Transport, target: Reservation, path: str, body: bytes, headers: Mapping[str, str]
 ) -> UpstreamResponse:
     """POST ``body`` to ``path`` on the reserved backend; raises
-    :class:`~kvroute.server.wire.transport.UpstreamConnectError` when no response came."""
+    :class:`~kvroute.server.wire.transport.UpstreamConnectError` when no response came (its subclass
+    :class:`~kvroute.server.wire.transport.UpstreamTimeoutError` when the backend took the request
+    and gave no head in time)."""
     return await transport.send(target.url, "POST", path, body, headers)
 
 

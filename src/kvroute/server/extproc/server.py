@@ -67,7 +67,7 @@ class EppServer:
         the router's port cannot be bound, UserError when the gRPC port cannot."""
         url = await self.router.start()
         _check_free(self.grpc_host, self.grpc_port)  # a clean error before gRPC's own log line
-        server = grpc.aio.server()
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # one picker per port
         pb_grpc.add_ExternalProcessorServicer_to_server(self.extproc, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         try:

@@ -76,8 +76,9 @@ class Gateway:
     async def start_picker(self, tokenizer: Tokenizer, metadata_only: bool = False, **kw: object) -> None:
         kw = {"health_interval_s": 0.2, **kw}
         cfg = RouterConfig(backends=tuple(self.specs), port=0, **kw)  # type: ignore[arg-type]
-        self.epp = EppServer(cfg, "127.0.0.1", self.grpc_port, metadata_only, tokenizer=tokenizer)
+        self.epp = EppServer(cfg, "127.0.0.1", 0, metadata_only, tokenizer=tokenizer)
         await self.epp.start()
+        self.grpc_port = self.epp.grpc_port  # the free port it bound
 
     def start_picker_process(self) -> None:
         """``kvroute epp`` as a child process on ``grpc_port`` (for the tests that kill it)."""

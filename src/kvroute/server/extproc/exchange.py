@@ -244,6 +244,7 @@ class Exchange:
                 state.counters.retries += 1
                 target = self.target = reserve(state, plan, idx, self.tail)
                 self.picker.observer.attempt(rec, idx, target.url, True, {})
+                sent(state, plan, target, self.tail)
         return self.picker.observer.response_headers(rec)
 
     def body(self, chunk: bytes, end: bool) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import socket
 import sys
 from typing import Any
 
@@ -65,7 +66,8 @@ class EppServer:
         """Start the router, then the gRPC port; returns the router's base URL. Raises OSError when
         the router's port cannot be bound, UserError when the gRPC port cannot."""
         url = await self.router.start()
-        server = grpc.aio.server()
+        _check_free(self.grpc_host, self.grpc_port)  # a clean error before gRPC's own log line
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # one picker per port
         pb_grpc.add_ExternalProcessorServicer_to_server(self.extproc, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         try:
@@ -121,6 +123,19 @@ class EppServer:
             await self._grpc.stop(0)
             self._grpc = None
         await self.health.stop()
+
+
+def _check_free(host: str, port: int) -> None:
+    """UserError when ``host:port`` cannot be bound now (port 0 always can)."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise UserError(f"cannot listen on {host}:{port} (gRPC): {exc.strerror or exc}") from None
 
 
 def serve_epp(

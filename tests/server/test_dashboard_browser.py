@@ -5,7 +5,7 @@ admin token, hot-spot detection, the score monitor and a shadow policy, all on f
 The page loads with no console error, asks for the token, shows data, its numbers change under
 traffic and then equal the router's /metrics; a decision's breakdown opens on a click; the token
 survives a reload (sessionStorage) and arrives through ``#token=`` too. A screenshot is taken every
-run; with ``KVROUTE_SCREENSHOT=1`` it is written to docs/dashboard.png (the README's picture).
+run; with ``KVROUTE_SCREENSHOT=1`` it is written to docs/dashboard.png (the observability guide's picture).
 
 Skipped, with the reason, only when chromium or playwright is missing (CI installs both).
 """

@@ -57,3 +57,38 @@ def test_engines_die_with_up(tmp_path: Path, how: str) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         up.kill_all()
+
+
+@pytest.mark.parametrize("how", ["SIGTERM+SIGKILL", "SIGKILL"])
+def test_envoy_dies_with_up(tmp_path: Path, how: str) -> None:
+    """``up --gateway envoy``: Envoy (started by the event loop's thread, so its death signal holds
+    for the process's life) is gone with ``up`` too."""
+    pytest.importorskip("grpc", reason="the gateway extra is not installed: pip install -e '.[gateway]'")
+    from kvroute.errors import UserError
+    from kvroute.server.extproc.envoyproc import find_envoy
+
+    try:
+        find_envoy()
+    except UserError as exc:
+        pytest.skip(f"no Envoy: {exc}")
+    up = start_up(tmp_path, "--instances", "1", "--gateway", "envoy")
+    kids: list[int] = []
+    try:
+        kids = children_of(up.proc.pid)
+        names = []
+        for pid in kids:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                names.append(f.read())
+        assert any(b"envoy" in n and b"engine" not in n for n in names), names  # Envoy, exec'd in place
+        if how == "SIGTERM+SIGKILL":
+            up.proc.send_signal(signal.SIGTERM)
+            time.sleep(2.0)
+        with contextlib.suppress(ProcessLookupError):
+            up.proc.kill()
+        up.proc.wait(60)
+        assert _gone(kids) == [], f"Envoy or an engine outlived `up` stopped by {how}"
+    finally:
+        for pid in kids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        up.kill_all()

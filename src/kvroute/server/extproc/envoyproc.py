@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from kvroute.errors import UserError
+from kvroute.procguard import guarded
 from kvroute.server.extproc.envoyconf import GatewaySettings, envoy_config
 
 __all__ = ["EnvoyProcess", "find_envoy", "validate_config"]
@@ -72,11 +73,19 @@ class EnvoyProcess:
 
     def start(self, timeout_s: float = 30.0) -> EnvoyProcess:
         """Write, validate, run, and wait until Envoy's admin ``/ready`` answers 200; UserError when
-        Envoy rejects the config, exits or is not ready in ``timeout_s`` seconds."""
+        Envoy rejects the config, exits or is not ready in ``timeout_s`` seconds. Call it from the
+        thread that lives as long as Envoy should (see :meth:`spawn`)."""
+        self.spawn(self.prepare())
+        self.wait_ready(timeout_s)
+        return self
+
+    def prepare(self) -> list[str]:
+        """Write and validate the config (blocking: runs ``envoy --mode validate``); returns the
+        command line that runs Envoy with it."""
         envoy = find_envoy()
         self.config_path.write_text(json.dumps(envoy_config(self.settings), indent=1))
         validate_config(envoy, self.config_path)
-        argv = [
+        return [
             str(envoy),
             "-c",
             str(self.config_path),
@@ -88,11 +97,14 @@ class EnvoyProcess:
             "--log-path",
             str(self.log_path),
         ]
+
+    def spawn(self, argv: list[str]) -> None:
+        """Start Envoy so that it gets SIGTERM when the calling thread's process dies, however it
+        dies (:mod:`kvroute.procguard`). The death signal follows the *thread* that starts it: call
+        this from a thread that lives as long as Envoy should (the event loop's, not a pool's)."""
         self.proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            guarded(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        self.wait_ready(timeout_s)
-        return self
 
     def ready(self) -> bool:
         """Envoy's admin says it is live."""

@@ -51,8 +51,10 @@ class Gateway:
             admin_port=free_port(),
             retries=cfg.max_retries,
         )
-        self.envoy = EnvoyProcess(settings, self.concurrency)
-        await asyncio.to_thread(self.envoy.start)
+        envoy = self.envoy = EnvoyProcess(settings, self.concurrency)
+        argv = await asyncio.to_thread(envoy.prepare)
+        envoy.spawn(argv)  # from the loop's thread: Envoy's death signal follows the thread that starts it
+        await asyncio.to_thread(envoy.wait_ready, 30.0)
         return url
 
     def describe(self) -> str:

@@ -221,7 +221,6 @@ class RouterServer:
         return self.url
 
     def _start_background(self) -> None:
-        self.proxy.parser.warm()
         self.fleet.start()
         if self.journal is not None:
             self.journal.catch_up(self._replay)  # a (re)started worker holds its siblings' changes

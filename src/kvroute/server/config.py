@@ -165,7 +165,8 @@ class RouterConfig:
       response) is closed after this many seconds. ``write_timeout_s``: a write to the client that
       cannot complete for this many seconds (the client stopped reading its stream) ends the
       request: the engine's request is aborted (its upstream connection is closed), the lease is
-      released and the client's connection is closed.
+      released and the client's connection is closed; the last writes of a whole (buffered)
+      answer get as long, then the connection is closed.
     - ``max_prompt_tokens``: the longest prompt (tokens) routed when no backend's ``/v1/models``
       lists a ``max_model_len``; when some do, the largest of theirs minus one is the cap (vLLM
       refuses a prompt of ``max_model_len`` tokens or more). A longer prompt is a 400, checked
@@ -173,8 +174,8 @@ class RouterConfig:
     - ``parse_offload``, ``parse_offload_bytes``: a request body of at least ``parse_offload_bytes``
       bytes is parsed and checked off the event loop: ``"process"`` (default) in a worker process
       (JSON parsing holds the GIL, so a thread would still stall the loop), ``"thread"`` on a
-      worker thread, ``"off"`` on the loop. Token-id prompts that long are chain-hashed on the
-      worker thread too. See :mod:`kvroute.server.stages.parse`.
+      worker thread, ``"off"`` on the loop. A token-id prompt of ``HASH_OFF_TOKENS`` (16,384) tokens
+      or more in such a body is chain-hashed there too. See :mod:`kvroute.server.stages.parse`.
     - ``explain``, ``decisions_kept``, ``access_log``, ``shadow``, ``otel``: seeing decisions (see
       :mod:`kvroute.server.observe.observer`): explanation headers on every response, the size of the decision
       ring buffer (``GET /debug/decisions``), the JSON-lines access log (None: off; ``-``: stdout),

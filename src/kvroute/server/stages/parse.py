@@ -83,7 +83,9 @@ def _die_with_parent(parent: int) -> None:
 class BodyParser:
     """Runs :func:`parse_body` on the loop (small bodies), or off it (module docstring). ``mode``:
     ``"process"``, ``"thread"`` or ``"off"``; ``offload_bytes``: the smallest body parsed off the
-    loop. The worker starts on first use; :meth:`close` stops it."""
+    loop. The worker starts with the first large body (a spawned interpreter: about a second on an
+    idle machine, paid by that request only) and lives as long as the router; :meth:`close` kills
+    it (a parse in progress is abandoned: the router is stopping)."""
 
     def __init__(self, mode: str, offload_bytes: int) -> None:
         self.mode = mode
@@ -101,12 +103,6 @@ class BodyParser:
             else:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvroute-parse")
         return self._pool
-
-    def warm(self) -> None:
-        """Start the worker process now (``"process"`` mode), so that the first large body does not
-        wait for it to start (a spawned interpreter: about a second)."""
-        if self.mode == "process" and self._pool is None:
-            self._executor().submit(os.getpid)
 
     async def parse(
         self, raw: bytes, chat: bool, cap: int, block_size: int, adapters: Callable[[], frozenset[str]]
@@ -127,9 +123,18 @@ class BodyParser:
 
     def _drop(self) -> None:
         pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        if pool is None:
+            return
+        # the process pool's own shutdown waits for its worker (at interpreter exit too), which may
+        # be busy with a 30 MB body or still starting: kill it instead (no API for that before 3.14)
+        workers = []
+        if isinstance(pool, ProcessPoolExecutor):
+            workers = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in workers:
+            with contextlib.suppress(OSError, ValueError):
+                proc.kill()
 
     def close(self) -> None:
-        """Stop the worker (its pending work is dropped)."""
+        """Kill the worker (its pending work is dropped)."""
         self._drop()

@@ -15,7 +15,7 @@ import pytest
 
 from kvroute.cli import main
 from kvroute.commands.demo import default_policies, run_yourself
-from kvroute.commands.demo_report import plain_name, summary_sentence, verdict
+from kvroute.commands.demo_report import busy_machine_warning, plain_name, summary_sentence, verdict
 from kvroute.policies import DEFAULT_POLICY
 
 
@@ -82,6 +82,9 @@ def test_verdict_reads_the_difference_against_the_noise() -> None:
 def test_summary_sentence_names_what_the_default_leads_and_ties() -> None:
     lead, tie = verdict(50.0, 1.0, 100.0, 1.0), verdict(99.0, 1.0, 100.0, 1.0)
     assert "leads: its mean TTFT is below every rival's" in summary_sentence("x", {"a": lead, "b": lead})
+    assert summary_sentence("x", {"a": lead}).endswith("by more than the noise.")
+    trail = verdict(150.0, 1.0, 100.0, 1.0)
+    assert summary_sentence("x", {"a": trail}) == "The default (x) trails a on mean TTFT."
     mixed = summary_sentence("x", {"a": lead, "b": tie})
     assert mixed == "The default (x) ties with b; leads a on mean TTFT (a tie: within the noise)."
 
@@ -118,3 +121,12 @@ def test_bench_gives_up_after_its_bounded_wait(capsys: pytest.CaptureFixture[str
     assert err.count("\n") == 1 and "did not answer ready" in err and "--wait-ready" in err
     assert main([*argv[:-1], "-1"]) == 2
     assert "--wait-ready must be" in capsys.readouterr().err
+
+
+def test_a_busy_machine_is_named_when_the_client_waits_far_longer_than_the_engines() -> None:
+    def row(policy: str, client: float, engine: float) -> dict[str, object]:
+        return {"policy": policy, "ttft_ms": {"mean": client}, "engine_ttft_ms_mean": engine}
+
+    assert busy_machine_warning([row("a", 103.5, 95.7), row("b", 322.2, 311.7)]) is None
+    warning = busy_machine_warning([row("a", 51475.3, 77.6), row("b", 120.0, 100.0)])
+    assert warning is not None and "a (663×)" in warning and "b (" not in warning

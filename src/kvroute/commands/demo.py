@@ -256,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
     print(report.live_table(rows, DEFAULT_POLICY, bound))
     verdicts = {r["policy"]: v for r in rows if (v := r.get("_verdict")) is not None}
     print(f"\n{report.summary_sentence(first, verdicts)}")
+    if (warning := report.busy_machine_warning(rows)) is not None:
+        print(f"\n{warning}")
     print(
         "\nHow to read it: TTFT is the time from sending a request to its first streamed token (model "
         f"time; the engines\nrun at ×{args.time_scale:g}). `vs balancer` is the mean TTFT as a fraction of the cache-blind "

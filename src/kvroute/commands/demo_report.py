@@ -84,7 +84,31 @@ def summary_sentence(default: str, verdicts: Mapping[str, Verdict]) -> str:
         for key, word in (("trails", "trails"), ("ties", "ties with"), ("leads", "leads"))
         if by[key]
     ]
-    return f"The default ({default}) {'; '.join(clauses)} on mean TTFT (a tie: within the noise)."
+    tie = " (a tie: within the noise)" if by["ties"] else ""
+    return f"The default ({default}) {'; '.join(clauses)} on mean TTFT{tie}."
+
+
+BUSY_FACTOR = 2.0
+"""A client mean TTFT above this multiple of the engines' own marks a run the machine, not the policy,
+dominated (router and client starved of CPU)."""
+
+
+def busy_machine_warning(rows: Sequence[dict[str, Any]]) -> str | None:
+    """A warning naming the runs whose client mean TTFT exceeds :data:`BUSY_FACTOR` × the engines' own
+    (both in model ms), or None when every run's client TTFT is mostly the engines'."""
+    busy = [
+        f"{r['policy']} ({r['ttft_ms']['mean'] / r['engine_ttft_ms_mean']:.0f}×)"
+        for r in rows
+        if r["engine_ttft_ms_mean"] > 0 and r["ttft_ms"]["mean"] > BUSY_FACTOR * r["engine_ttft_ms_mean"]
+    ]
+    if not busy:
+        return None
+    return (
+        f"This machine was too busy for these runs: the client's mean TTFT is many times the engines' own "
+        f"for {', '.join(busy)}.\nThe router and the load generator waited for CPU, so the client-side "
+        "columns measure the machine, not the\npolicy: compare the engines' own TTFT and the simulated "
+        "column, or rerun on a quieter machine."
+    )
 
 
 def live_table(rows: Sequence[dict[str, Any]], default: str, bound: dict[str, float] | None) -> str:

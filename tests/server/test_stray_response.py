@@ -11,13 +11,25 @@ from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
 import pytest
+from prometheus_client import generate_latest
 
 from kvroute.server.wire.h1 import H1Transport
 from kvroute.server.wire.transport import UpstreamConnectError
 from kvroute.tokenizer import Tokenizer
 
 from .rawupstream import RawRequest, RawUpstream, Step, ok
-from .test_wire_e2e import MODELS, final_answer, port_of, post, raw_exchange, start_router
+from .test_wire_e2e import (
+    MODELS,
+    P_ANSWER,
+    PD_BODY,
+    engine_script,
+    final_answer,
+    pd_router,
+    port_of,
+    post,
+    raw_exchange,
+    start_router,
+)
 
 REQUEST_ID = "x-request-id"
 
@@ -116,6 +128,30 @@ async def test_the_router_never_relays_a_late_response_to_the_next_client(tokeni
             assert router.transport.strays >= 1  # type: ignore[attr-defined]
             async with aiohttp.ClientSession() as s, s.get(router.url + "/metrics") as r:
                 text = await r.text()
+            m = re.search(r"^kvroute_upstream_stray_responses_total (\S+)$", text, re.M)
+            assert m is not None and float(m.group(1)) >= 1.0, text
+        finally:
+            await router.stop()
+
+
+async def test_the_pd_router_never_relays_a_late_decode_response_to_the_next_client(
+    tokenizer: Tokenizer,
+) -> None:
+    """The same on the P/D router's decode leg (prefill answers without an id: accepted)."""
+    async with (
+        RawUpstream(engine_script(lambda rid: [P_ANSWER])) as p,
+        RawUpstream(lambda req: []) as d,
+    ):
+        d.script = late_on_reuse(d)
+        router, port = await pd_router(tokenizer, p.url, d.url)
+        try:
+            for client in ("alice", "bob", "carol"):
+                raw = await raw_exchange(port, post(PD_BODY, f"X-Request-Id: {client}"))
+                status, _, data = final_answer(raw)
+                assert status == 200, raw[:300]
+                assert set(re.findall(rb'"id":"(cmpl-[^"]*)"', data)) == {f"cmpl-{client}".encode()}, data
+            assert router.transport.strays >= 1
+            text = generate_latest(router.registry).decode()
             m = re.search(r"^kvroute_upstream_stray_responses_total (\S+)$", text, re.M)
             assert m is not None and float(m.group(1)) >= 1.0, text
         finally:

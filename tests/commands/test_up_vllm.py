@@ -58,7 +58,8 @@ def test_cpu_build_settings_and_command_line(tmp_path: Path) -> None:
     assert s.vllm == (venv / "bin" / "vllm").absolute() and s.served_model_name == "model"
     argv = vllm_argv(s, 8001, 5557, 5558)
     assert argv[:3] == [str(s.vllm), "serve", str(model.absolute())]
-    for flag in ("--enable-prefix-caching", "--enable-prompt-tokens-details", "--enforce-eager"):
+    flags = ("--enable-prefix-caching", "--enable-prompt-tokens-details", "--enable-request-id-headers")
+    for flag in (*flags, "--enforce-eager"):
         assert flag in argv
     assert argv[argv.index("--block-size") + 1] == "64"
     assert argv[argv.index("--num-gpu-blocks-override") + 1] == "100"

@@ -103,8 +103,9 @@ class Answer:
         return b"text/event-stream" if self.stream else b"application/json"
 
     def head(self, status: bytes = b"200 OK", extra: bytes = b"", framing: bytes | None = None) -> bytes:
-        """A response head; ``framing``: the framing header line(s) (default: chunked for a stream,
-        the body's Content-Length otherwise)."""
+        """A response head, with ``X-Request-Id`` echoing the request's id (as vLLM's with
+        ``--enable-request-id-headers``); ``framing``: the framing header line(s) (default: chunked
+        for a stream, the body's Content-Length otherwise)."""
         if framing is None:
             framing = (
                 b"Transfer-Encoding: chunked\r\n"
@@ -118,6 +119,9 @@ class Answer:
             + self.content_type
             + b"\r\n"
             + framing
+            + b"X-Request-Id: "
+            + self.rid.encode("latin-1")
+            + b"\r\n"
             + extra
             + b"\r\n"
         )

@@ -150,6 +150,13 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Every response carries the request's ``X-Request-Id`` (a new random one when it had none),
+    as vLLM's with ``--enable-request-id-headers``: a router can tell a stray response from the
+    answer to its request by it."""
+    response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+
+
 class EmulatorServer:
     """An aiohttp app around one engine model. ``await start(host, port)`` (port 0: any free one;
     the bound port is then in ``port``), ``await stop()``. ``model``/``driver`` are exposed for
@@ -232,6 +239,7 @@ class EmulatorServer:
     # -- lifecycle -----------------------------------------------------------------------------
     def _build_app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.on_response_prepare.append(_echo_request_id)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)

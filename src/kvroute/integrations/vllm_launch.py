@@ -5,7 +5,9 @@ the real-vLLM test suite (``tests/real_vllm``) and ``scripts/real_vllm_eval.py``
 
 What every server gets (:func:`vllm_argv`): ``--enable-prefix-caching``,
 ``--enable-prompt-tokens-details`` (so responses carry ``prompt_tokens_details.cached_tokens``, the
-router's ground truth), KV cache events over ZMQ with a replay socket (``--kv-events-config``), on
+router's ground truth), ``--enable-request-id-headers`` (every response echoes the request's
+``X-Request-Id``, which lets the router tell a stray response from the answer; vLLM 0.32's
+``build_app`` adds its ``XRequestIdMiddleware`` for it), KV cache events over ZMQ with a replay socket (``--kv-events-config``), on
 free loopback ports. vLLM 0.32's publisher *binds* only for ``tcp://*:PORT`` endpoints (any other
 host is taken as an address to connect to), so the server is told ``tcp://*:PORT`` and the router
 connects to ``tcp://HOST:PORT`` (:attr:`VllmEndpoint.kv_events`).
@@ -152,7 +154,7 @@ def vllm_argv(s: VllmSettings, port: int, pub_port: int, replay_port: int) -> li
     argv = [str(s.vllm), "serve", s.model, "--host", s.host, "--port", str(port)]
     if s.served_model_name:
         argv += ["--served-model-name", s.served_model_name]
-    argv += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
+    argv += ["--enable-prefix-caching", "--enable-prompt-tokens-details", "--enable-request-id-headers"]
     argv += ["--kv-events-config", json.dumps(events)]
     if s.max_model_len is not None:
         argv += ["--max-model-len", str(s.max_model_len)]

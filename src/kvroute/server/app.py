@@ -30,7 +30,7 @@ from kvroute.prepare.tokenize import RequestTokenizer
 from kvroute.server.config import RELOADABLE, BackendSpec, RouterConfig
 from kvroute.server.observe.dashboard import add_dashboard_routes
 from kvroute.server.observe.debug import add_debug_routes
-from kvroute.server.observe.exporter import RouterCollector, render_metrics
+from kvroute.server.observe.exporter import RouterCollector, StrayCollector, render_metrics
 from kvroute.server.observe.feature_metrics import FeatureCollector
 from kvroute.server.observe.observer import Observer
 from kvroute.server.observe.recording import TrafficRecording
@@ -142,6 +142,7 @@ class RouterServer:
         self._site: web.TCPSite | None = None
         self.draining = False  # shutting down: /health answers 503
         self.registry.register(RouterCollector(self.state, self.subscribers, self.proxy))
+        self.registry.register(StrayCollector(self.transport))
         self.registry.register(ScraperCollector(self.scraper))
         self._features: FeatureCollector | None = None
         self._register_features()

@@ -66,6 +66,7 @@ from kvroute.prepare.tokenize import RequestTokenizer
 from kvroute.routing.core import Decision, RouteRequest, RoutingCore
 from kvroute.routing.kvview import KVView
 from kvroute.routing.pd import PDDecision, PDRouter
+from kvroute.server.observe.exporter import StrayCollector
 from kvroute.server.observe.observer import request_id
 from kvroute.server.stages.ids import InFlightIds, in_flight
 from kvroute.server.state.backends import parse_vllm_metrics
@@ -211,6 +212,7 @@ class PDServer:
             "kvroute_pd_requests", "P/D requests by routing outcome", ["reason"], registry=self.registry
         )
         self._retries = Counter("kvroute_pd_retries", "P/D leg retries", ["leg"], registry=self.registry)
+        self.registry.register(StrayCollector(self.transport))
         self._tasks: list[asyncio.Task[Any]] = []
         self._seq = 0
         self._zmq: zmq.asyncio.Context | None = None

@@ -6,7 +6,9 @@ Metric names (all prefixed ``kvroute_``): ``requests_total{outcome}``, ``retries
 ``kv_view_mode{backend,mode}``, ``kv_event_batches_total{backend}``, ``kv_event_gaps_total{backend}``,
 ``backends{state}`` (how many backends are ``active``, ``draining``, ``removed``),
 ``tokenizer_cache_hits_total``, ``tokenizer_cache_misses_total``, ``routing_seconds_total``,
-``routed_total``. Each router owns its own ``CollectorRegistry``. The per-backend series cover active and draining
+``routed_total``, ``upstream_stray_responses_total`` (responses dropped because their echoed
+``x-request-id`` was another request's: see :mod:`kvroute.server.wire.h1`; :class:`StrayCollector`,
+which the P/D router registers too). Each router owns its own ``CollectorRegistry``. The per-backend series cover active and draining
 backends (a draining one's in-flight gauges show its drain); a removed backend's series disappear.
 
 The ``backend_waiting``/``running``/``queued_prefill_tokens`` gauges are this machine's: summed over
@@ -31,12 +33,27 @@ from kvroute.server.state.router import RouterState
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 """Upper bounds (seconds) of the router queue's wait histogram on /metrics."""
 
-__all__ = ["OUTCOMES", "RouterCollector", "render_metrics"]
+__all__ = ["OUTCOMES", "RouterCollector", "StrayCollector", "render_metrics"]
 
 OUTCOMES = ("ok", "client_errors", "upstream_errors", "cancelled", "unavailable", "drained")
 """``kvroute_requests_total{outcome}``: ``unavailable`` counts 503s (no backend could take the request,
 or it came after a shutdown's grace); ``drained`` counts requests still in flight when a shutdown's
 drain timed out, which the router ended (see ``RouterServer.shutdown``)."""
+
+
+class StrayCollector(Collector):
+    """``kvroute_upstream_stray_responses_total``: the transport's ``strays`` count (0 for a
+    transport that keeps none), read at scrape time."""
+
+    def __init__(self, transport: object) -> None:
+        self.transport = transport
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "kvroute_upstream_stray_responses",
+            "Upstream responses dropped: their echoed x-request-id was another request's",
+            value=int(getattr(self.transport, "strays", 0)),
+        )
 
 
 class RouterCollector(Collector):

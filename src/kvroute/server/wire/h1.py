@@ -45,6 +45,17 @@ Behaviour (the :class:`~kvroute.server.wire.transport.Transport` contract):
   vLLM-style engine takes as a cancelled request;
 - reading pauses when more than ``_HIGH_WATER`` bytes are buffered (a slow client), so a stream is
   never buffered without bound;
+- **a stray response is never taken for the answer**: when the request carries ``x-request-id``
+  (the router sends exactly one on every request to an engine, P/D legs included: the request's id,
+  :func:`kvroute.server.observe.observer.request_id`) and the final response head carries one too,
+  they must be equal. A response sent late on a keep-alive connection that has meanwhile carried
+  the next request looks, to HTTP/1.1 framing, exactly like that request's answer; its echoed id
+  does not. On a mismatch the connection is closed, the response
+  is never returned (so nothing of it is relayed), it is counted (:attr:`H1Transport.strays`) and
+  logged (rate-limited, escaped), and the request is sent again once on a fresh connection; a
+  mismatch there too is an :class:`UpstreamConnectError`. A response without the header is accepted:
+  the guarantee needs an engine that echoes the id (vLLM with ``--enable-request-id-headers``,
+  kvroute's emulated engine);
 - ``http://`` and ``https://`` base URLs (with a path prefix or not) are served here (https with
   ``ssl_context``, else the system's default verification); the pool's check for waiting bytes
   before reuse is skipped on TLS connections (the socket may hold TLS records that carry no data),
@@ -55,6 +66,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import select
 import ssl
 from collections.abc import AsyncIterator, Mapping
@@ -63,6 +75,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from kvroute.server.wire.http import HOP_BY_HOP
+from kvroute.server.wire.httperrors import RateLimitedLog
 from kvroute.server.wire.transport import (
     AiohttpTransport,
     Transport,
@@ -77,6 +90,9 @@ __all__ = ["H1Transport"]
 
 _HIGH_WATER = 1 << 20  # bytes buffered before reading pauses
 _LOW_WATER = 1 << 16  # bytes left buffered when reading resumes
+_ID = "x-request-id"  # the header an engine echoes: the request's id on its answer
+
+log = logging.getLogger(__name__)
 
 
 class _Extra(Exception):
@@ -118,6 +134,7 @@ class _Conn(asyncio.Protocol):
         self.complete = False
         self.error: Exception | None = None
         self.waiter: asyncio.Future[None] | None = None
+        self.echoed: bytes | None = None  # the final head's x-request-id (None: absent)
         self._message()
 
     def _message(self) -> None:
@@ -128,6 +145,7 @@ class _Conn(asyncio.Protocol):
         self.m_length = False  # Content-Length seen
         self.m_te = False  # Transfer-Encoding seen
         self.m_chunked = False  # its last transfer coding is chunked (RFC 9112 section 6.1)
+        self.m_rid: bytes | None = None  # x-request-id (two different values: b"", never a match)
 
     def begin(self) -> None:
         """Reset the per-response state for the next request on this connection (one that
@@ -189,6 +207,9 @@ class _Conn(asyncio.Protocol):
             self.m_type = value
         elif low == b"content-length":
             self.m_length = True
+        elif low == b"x-request-id":
+            value = value.strip(b" \t")
+            self.m_rid = value if self.m_rid is None or self.m_rid == value else b""
         elif low == b"transfer-encoding":
             self.m_te = True
             codings = [c for c in value.split(b",") if c.strip()]
@@ -203,6 +224,7 @@ class _Conn(asyncio.Protocol):
             return
         self.status = status
         self.content_type = self.m_type.decode("latin-1")
+        self.echoed = self.m_rid
         # RFC 9112 section 6.3: Transfer-Encoding overrides Content-Length; a last coding other
         # than chunked means the body ends when the connection closes
         self.delimited = self.m_chunked if self.m_te else self.m_length
@@ -406,6 +428,8 @@ class H1Transport:
         self._pools: dict[str, _Pool | None] = {}  # base URL -> pool (None: not http or https)
         self._fallback = fallback
         self._fallback_args = (connect_timeout_s, read_timeout_s or 600.0)
+        self.strays = 0  # responses whose echoed x-request-id was another request's (module docstring)
+        self._stray_log = RateLimitedLog(log, interval_s=10.0)
 
     def _pool(self, base_url: str) -> _Pool | None:
         try:
@@ -442,17 +466,42 @@ class H1Transport:
         request = _request_bytes(method, pool.prefix + path, pool.hostport, body, headers)
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
+        sent_id = _sent_id(headers)
         conn = pool.get()
         if conn is not None:
             conn.begin()
             try:
-                return await self._exchange(conn, pool, request, deadline)
+                resp = await self._exchange(conn, pool, request, deadline)
             except UpstreamConnectError:
                 if conn.got_bytes or conn.timed_out:
                     raise
                 # the pooled connection was closed under us before answering: one fresh try
+            else:
+                if self._answers(conn, pool, sent_id):
+                    return resp
+                # a stray response: nothing of it was returned, so one fresh try
         conn = await self._connect(pool, loop, deadline)
-        return await self._exchange(conn, pool, request, deadline)
+        resp = await self._exchange(conn, pool, request, deadline)
+        if not self._answers(conn, pool, sent_id):
+            raise UpstreamConnectError(f"{pool.base}: answered with another request's id")
+        return resp
+
+    def _answers(self, conn: _Conn, pool: _Pool, sent_id: bytes | None) -> bool:
+        """The response on ``conn`` may be the answer to the request that carried ``sent_id``: no
+        id was sent, none was echoed, or the echo is equal. Else it is a stray: ``conn`` is closed
+        (the engine takes that as a cancelled request), counted and logged."""
+        echoed = conn.echoed
+        if sent_id is None or echoed is None or echoed == sent_id:
+            return True
+        conn.close()
+        self.strays += 1
+        self._stray_log.emit(
+            "stray",
+            f"stray response from {pool.base} on a {'reused' if conn.reused else 'fresh'} connection: "
+            f"sent x-request-id {sent_id.decode('latin-1')!r}, got {echoed.decode('latin-1')!r}; "
+            "connection closed, response dropped",
+        )
+        return False
 
     async def _connect(self, pool: _Pool, loop: asyncio.AbstractEventLoop, deadline: float | None) -> _Conn:
         limit = self._connect_timeout_s
@@ -512,6 +561,20 @@ class H1Transport:
 
 
 _SKIP = HOP_BY_HOP | {"host", "content-length"}
+
+
+def _sent_id(headers: Mapping[str, str] | None) -> bytes | None:
+    """The ``x-request-id`` value :func:`_request_bytes` sends (the last given in any case), as
+    bytes on the wire; None when it sends none."""
+    if not headers:
+        return None
+    found = None
+    for k, v in headers.items():
+        if k.lower() == _ID:
+            found = v
+    if found is None or "\r" in found or "\n" in found:
+        return None
+    return found.strip(" \t").encode("utf-8", "surrogateescape")
 
 
 def _request_bytes(

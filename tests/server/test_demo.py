@@ -130,3 +130,26 @@ def test_a_busy_machine_is_named_when_the_client_waits_far_longer_than_the_engin
     assert busy_machine_warning([row("a", 103.5, 95.7), row("b", 322.2, 311.7)]) is None
     warning = busy_machine_warning([row("a", 51475.3, 77.6), row("b", 120.0, 100.0)])
     assert warning is not None and "a (663×)" in warning and "b (" not in warning
+
+
+def test_demo_through_envoy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--gateway envoy``: every policy's run goes through a real Envoy with kvroute as its endpoint
+    picker, and the rows are measured there (skips without the gateway extra)."""
+    pytest.importorskip("grpc", reason="the gateway extra is not installed: pip install -e '.[gateway]'")
+    from kvroute.errors import UserError
+    from kvroute.server.extproc.envoyproc import find_envoy
+
+    try:
+        find_envoy()
+    except UserError as exc:
+        pytest.skip(f"no Envoy: {exc}")
+    out = tmp_path / "demo.json"
+    argv = ["demo", "--instances", "2", "--duration", "4", "--time-scale", "2", "--rate-scale", "0.5"]
+    argv += ["--policies", f"{DEFAULT_POLICY},vllm", "--sim-policies", "", "--gateway", "envoy"]
+    assert main([*argv, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["policy"] for r in rows] == [DEFAULT_POLICY, "vllm"]
+    assert all(r["requests"] > 3 and r["unfinished"] == 0 for r in rows)
+    text = capsys.readouterr().out
+    assert "with kvroute epp as its picker" in text
+    assert "--gateway envoy & kvroute bench" in text

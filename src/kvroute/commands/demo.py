@@ -27,6 +27,7 @@ import math
 import statistics
 from typing import Any
 
+from kvroute.commands.up import GATEWAYS
 from kvroute.errors import UserError
 from kvroute.policies.registry import DEFAULT_POLICY, PEER_LMETRICS
 
@@ -73,6 +74,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"bound (default the peers' other LMetric variants: {sim_only}; '' for none)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--gateway",
+        choices=GATEWAYS,
+        default="none",
+        help="envoy: every run goes through a real Envoy with kvroute as its endpoint picker (the "
+        "gateway extra), as `kvroute up --gateway envoy`; none: kvroute's own proxy (default)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
 
@@ -145,16 +153,34 @@ async def _one(policy: str, label: str, args: argparse.Namespace, text: Any, bar
     cluster = EngineCluster(args.instances, ["--time-scale", str(args.time_scale)], kv_events=True)
     backends = await cluster.start()
     try:
-        router = RouterServer(
-            RouterConfig(backends=backends, port=0, policy=policy), tokenizer=text.tokenizer
-        )
-        url = await router.start()
+        if args.gateway == "envoy":  # Envoy on a free port in front of the engines, kvroute its picker
+            from kvroute.server.cluster import free_port
+            from kvroute.server.extproc.gateway import Gateway
+
+            gateway = Gateway(RouterConfig(backends=backends, port=free_port(), policy=policy))
+            router: Any = gateway.picker
+            try:
+                await gateway.start()
+            except BaseException:
+                gateway.stop()
+                await router.stop()
+                raise
+            url, via = gateway.url, f"Envoy {gateway.url} with kvroute epp as its picker"
+        else:
+            gateway = None
+            router = RouterServer(
+                RouterConfig(backends=backends, port=0, policy=policy), tokenizer=text.tokenizer
+            )
+            url = await router.start()
+            via = f"router {url}/v1"
         try:
             if bar is not None:
                 bar.start_task(task)
             result = await run_bench(url, reqs, text, progress=progress)
             engine_ttft = await _engine_ttft_ms([b.url for b in backends])
         finally:
+            if gateway is not None:
+                gateway.stop()
             await router.stop()
     finally:
         cluster.stop()
@@ -167,7 +193,7 @@ async def _one(policy: str, label: str, args: argparse.Namespace, text: Any, bar
     out["ttft_se_ms"] = _standard_error_ms(result.recorder.ttft, args.time_scale)
     say(
         f"  {policy}: {out['requests']} requests, {out['unfinished']} unfinished, "
-        f"{result.wall_seconds:.1f} s wall (router {url}/v1 before {args.instances} engines)"
+        f"{result.wall_seconds:.1f} s wall ({via} before {args.instances} engines)"
     )
     return out
 
@@ -206,6 +232,12 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         make_policy(p)
     if args.workload not in WORKLOADS:
         raise UserError(f"unknown workload {args.workload!r}; choose one of {', '.join(WORKLOADS)}")
+    if args.gateway == "envoy":
+        from kvroute.commands.epp import require_gateway
+        from kvroute.server.extproc.envoyproc import find_envoy
+
+        require_gateway()
+        find_envoy()  # UserError naming what is missing
     if args.instances < 1 or not args.duration > 0 or not args.time_scale > 0 or not args.rate_scale > 0:
         raise UserError("--instances, --duration, --time-scale and --rate-scale must be positive")
     return policies, sim_only
@@ -275,7 +307,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"\nThe same in the simulator: kvroute sim --workload {args.workload} --instances {args.instances} "
         f"--rate-scale {args.rate_scale:g} --duration {args.duration:g} --policy {first}\n"
-        f"Run it yourself: {run_yourself(args.instances, first, args.workload, args.rate_scale, args.duration)}"
+        "Run it yourself: "
+        + run_yourself(args.instances, first, args.workload, args.rate_scale, args.duration, args.gateway)
     )
     if args.json:
         for row in rows:
@@ -300,12 +333,16 @@ def _machine() -> str:
     return f"Machine: {os.cpu_count()} cores ({model}); load average {load} (1, 5, 15 min) at the start.\n"
 
 
-def run_yourself(instances: int, policy: str, workload: str, rate_scale: float, duration: float) -> str:
+def run_yourself(
+    instances: int, policy: str, workload: str, rate_scale: float, duration: float, gateway: str = "none"
+) -> str:
     """A shell line that does one of the job's runs by hand: ``kvroute up`` in the background, the
     bench (which waits, bounded, until the router answers ready), then stops ``up``."""
+    via = f" --gateway {gateway}" if gateway != "none" else ""
     return (
-        f"kvroute up --instances {instances} --policy {policy} & kvroute bench --url http://127.0.0.1:8080 "
-        f"--workload {workload} --rate-scale {rate_scale:g} --duration {duration:g}; kill $!"
+        f"kvroute up --instances {instances} --policy {policy}{via} & kvroute bench --url "
+        f"http://127.0.0.1:8080 --workload {workload} --rate-scale {rate_scale:g} --duration {duration:g}; "
+        "kill $!"
     )
 
 

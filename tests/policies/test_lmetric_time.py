@@ -9,6 +9,7 @@ context + 1 ns per (chunk token × token of history).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace as dataclass_replace
 
 import pytest
 
@@ -121,3 +122,24 @@ def test_registry_entry_and_the_default() -> None:
     views = [InstanceView(index=0, max_batched_tokens=4096), InstanceView(index=1, max_batched_tokens=4096)]
     r = RequestView(prompt_tokens=20_000, cached_tokens=(0, 19_968), block_size=16)
     assert p.choose(r, views).choice == 1
+
+
+def test_request_classes_reweight_bs_in_the_time_score() -> None:
+    from kvroute.features.classes import ClassConfig
+    from kvroute.features.settings import FeatureConfig
+    from kvroute.routing.guarded import Guarded
+
+    views = [
+        InstanceView(index=0, running=3, max_batched_tokens=4096),
+        InstanceView(index=1, running=0, max_batched_tokens=4096),
+    ]
+    r = RequestView(prompt_tokens=1000, cached_tokens=(960, 0), block_size=16, req_class="ttft")
+    g = Guarded(LMetricTime(LinearCost(), kv="off"), FeatureConfig(classes=ClassConfig()))
+    d = g.choose(r, views)
+    # 0: p = 40, h̄ = 980: 0.010 + 1e-5·43 + 1e-9·40·980 = 0.0104692, × 4 ** 0.5 (the ttft class)
+    # 1: p = 1000, h̄ = 500: 0.010 + 1e-5·1000 + 1e-9·1000·500 = 0.0205, × 1
+    assert d.scores == pytest.approx((0.0104692 * 2.0, 0.0205))
+    assert d.choice == 1 and g.counts["class:ttft"] == 1
+    # without the class (w = 1): 0.0104692 × 4 > 0.0205 as well; with w = 2 (tpot) more so
+    plain = LMetricTime(LinearCost(), kv="off").choose(dataclass_replace(r, req_class="default"), views)
+    assert plain.scores == pytest.approx((0.0104692 * 4, 0.0205))

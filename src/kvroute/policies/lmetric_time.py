@@ -103,15 +103,24 @@ class LMetricTime:
             demand += view.queued_prefill_tokens / max(request.block_size, 1)
         return kv_demand_factor(view.kv_capacity_blocks, demand)
 
+    def parts(
+        self, request: RequestView, instances: Sequence[InstanceView]
+    ) -> tuple[list[tuple[float, float]], list[int], list[float]]:
+        """Per instance: (T_wait, T_own) in seconds, BS in requests, K; the score is
+        (T_wait + T_own) × (BS + 1) × K. The feature wrapper (:mod:`kvroute.routing.guarded`) reweights
+        BS from these for request classes and load-adaptive weighting."""
+        check_inputs(request, instances)
+        times = [self.times(request, v, c) for c, v in zip(request.cached_tokens, instances, strict=True)]
+        return times, [v.running + v.waiting for v in instances], [self.factor(request, v) for v in instances]
+
     def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
         """Pick the instance with the lowest (T_wait + T_own) × (BS + 1) × K."""
-        n = check_inputs(request, instances)
-        bs = [v.running + v.waiting for v in instances]
-        times = [self.times(request, v, c) for c, v in zip(request.cached_tokens, instances, strict=True)]
-        ks = [self.factor(request, v) for v in instances]
+        times, bs, ks = self.parts(request, instances)
         scores = [(w + o) * (b + 1) * k for (w, o), b, k in zip(times, bs, ks, strict=True)]
         best_s = min(scores)
-        best = min((i for i in range(n) if scores[i] == best_s), key=lambda i: (bs[i], instances[i].index))
+        best = min(
+            (i for i in range(len(scores)) if scores[i] == best_s), key=lambda i: (bs[i], instances[i].index)
+        )
         return Choice(
             choice=best,
             scores=tuple(scores),

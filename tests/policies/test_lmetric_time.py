@@ -32,26 +32,30 @@ class LinearCost:
         return 0.010 + 1e-5 * tokens + self.att * decode_kv_tokens + 1e-9 * sum(n * h for n, h in prefill)
 
 
-def test_one_step_request_scores_its_step_times_bs_plus_one_times_kv_demand() -> None:
+def test_each_prefill_token_is_priced_at_a_full_chunk_times_bs_plus_one_times_kv_demand() -> None:
     views = [
         InstanceView(index=0, running=2, decode_blocks=100, kv_capacity_blocks=1000, max_batched_tokens=4096),
         InstanceView(index=1, running=0, kv_capacity_blocks=1000, max_batched_tokens=4096),
     ]
     r = RequestView(prompt_tokens=1000, cached_tokens=(0, 800), block_size=16)
     d = LMetricTime(LinearCost()).choose(r, views)
-    # instance 0: p = 1000, h̄ = 500, ctx = 1600: 0.010 + 1e-5·1002 + 1e-7·1600 + 1e-9·1000·500 = 0.02068
-    #             × (BS + 1 = 3) × K = 1000 / 900
-    # instance 1: p = 200, h̄ = 900: 0.010 + 1e-5·200 + 1e-9·200·900 = 0.01218, × 1 × 1
-    assert d.scores[0] == pytest.approx(0.02068 * 3 * 1000 / 900)
-    assert d.scores[1] == pytest.approx(0.01218)
+    # instance 0: chunk = 4094, p = 1000, h̄ = 500, ctx = 1600 tokens:
+    #   step = 0.010 + 1e-5·(4094 + 2) + 1e-7·1600 + 1e-9·4094·500 = 0.053167, × 1000 / 4094
+    #   × (BS + 1 = 3) × K = 1000 / 900
+    # instance 1: chunk = 4096, p = 200, h̄ = 900: step = 0.010 + 0.04096 + 1e-9·4096·900 = 0.0546464,
+    #   × 200 / 4096, × 1 × 1
+    s0 = (0.010 + 1e-5 * 4096 + 1e-7 * 1600 + 1e-9 * 4094 * 500) * 1000 / 4094 * 3 * 1000 / 900
+    s1 = (0.010 + 1e-5 * 4096 + 1e-9 * 4096 * 900) * 200 / 4096
+    assert d.scores == pytest.approx((s0, s1))
+    assert s0 == pytest.approx(0.053167 * 1000 / 4094 * 3 / 0.9, rel=1e-4)
     assert d.choice == 1 and d.policy == "lmetric-time"
 
 
-def test_a_long_prompt_waits_for_the_queue_then_its_own_chunks() -> None:
+def test_the_queue_is_priced_without_history_and_the_request_with_its_own() -> None:
     v = InstanceView(index=0, queued_prefill_tokens=1500, max_batched_tokens=1000)
     r = RequestView(prompt_tokens=3000, cached_tokens=(0,), block_size=16)
     t_wait, t_own = LMetricTime(LinearCost()).times(r, v, 0)
-    # chunk = 1000; queue: 1.5 steps of (0.010 + 0.010) s; own: 3 steps of 0.010 + 0.010 + 1e-9·1000·1500
+    # chunk = 1000; queue: 1.5 chunks of (0.010 + 0.010) s; own: 3 chunks of 0.010 + 0.010 + 1e-9·1000·1500
     assert t_wait == pytest.approx(1.5 * 0.020)
     assert t_own == pytest.approx(3 * 0.0215)
 
@@ -65,10 +69,12 @@ def test_context_weighted_decode_flips_the_choice_lmetric_makes() -> None:
     r = RequestView(prompt_tokens=2000, cached_tokens=(0, 0), block_size=16)
     assert make_policy("lmetric").choose(r, views).choice == 0  # 2000 × 5 < 2000 × 7
     d = LMetricTime(LinearCost(att=5e-7), kv="off").choose(r, views)
-    # 0: (0.010 + 1e-5·2004 + 5e-7·80000 + 1e-9·2000·1000) × 5 = 0.07204 × 5
-    # 1: (0.010 + 1e-5·2006 + 5e-7·1600 + 0.002) × 7 = 0.03286 × 7
-    assert d.scores == pytest.approx((0.07204 * 5, 0.03286 * 7))
-    assert d.choice == 1
+    # 0: chunk 4092: (0.010 + 0.04096 + 5e-7·80000 + 1e-9·4092·1000) × 2000/4092 × 5
+    # 1: chunk 4090: (0.010 + 0.04096 + 5e-7·1600 + 1e-9·4090·1000) × 2000/4090 × 7
+    s0 = (0.010 + 0.04096 + 0.04 + 4092e-6) * 2000 / 4092 * 5
+    s1 = (0.010 + 0.04096 + 0.0008 + 4090e-6) * 2000 / 4090 * 7
+    assert d.scores == pytest.approx((s0, s1))
+    assert s0 > s1 and d.choice == 1
 
 
 def test_queued_prefill_counts_as_kv_demand() -> None:
@@ -136,10 +142,12 @@ def test_request_classes_reweight_bs_in_the_time_score() -> None:
     r = RequestView(prompt_tokens=1000, cached_tokens=(960, 0), block_size=16, req_class="ttft")
     g = Guarded(LMetricTime(LinearCost(), kv="off"), FeatureConfig(classes=ClassConfig()))
     d = g.choose(r, views)
-    # 0: p = 40, h̄ = 980: 0.010 + 1e-5·43 + 1e-9·40·980 = 0.0104692, × 4 ** 0.5 (the ttft class)
-    # 1: p = 1000, h̄ = 500: 0.010 + 1e-5·1000 + 1e-9·1000·500 = 0.0205, × 1
-    assert d.scores == pytest.approx((0.0104692 * 2.0, 0.0205))
-    assert d.choice == 1 and g.counts["class:ttft"] == 1
-    # without the class (w = 1): 0.0104692 × 4 > 0.0205 as well; with w = 2 (tpot) more so
-    plain = LMetricTime(LinearCost(), kv="off").choose(dataclass_replace(r, req_class="default"), views)
-    assert plain.scores == pytest.approx((0.0104692 * 4, 0.0205))
+    # 0: chunk 4093, p = 40, h̄ = 980: (0.010 + 0.04096 + 1e-9·4093·980) × 40/4093, × 4 ** 0.5 (ttft)
+    # 1: chunk 4096, p = 1000, h̄ = 500: (0.010 + 0.04096 + 1e-9·4096·500) × 1000/4096, × 1
+    t0 = (0.010 + 0.04096 + 4093 * 980e-9) * 40 / 4093
+    t1 = (0.010 + 0.04096 + 4096 * 500e-9) * 1000 / 4096
+    assert d.scores == pytest.approx((t0 * 2.0, t1))
+    assert d.choice == 0 and g.counts["class:ttft"] == 1
+    # the tpot class (w = 2) weighs the 3 running sequences harder: (3 + 1) ** 2 = 16
+    tpot = g.choose(dataclass_replace(r, req_class="tpot"), views)
+    assert tpot.scores == pytest.approx((t0 * 16.0, t1)) and tpot.choice == 0

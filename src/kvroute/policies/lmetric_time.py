@@ -1,32 +1,37 @@
-"""LMetric-time: LMetric's P-token × (BS + 1) with the P-token in engine time, and KV demand (kvroute's policy).
+"""LMetric-time: LMetric's P-token × (BS + 1) with every prefill token priced in engine time, and KV demand (kvroute's policy).
 
 LMetric scores an instance by the prefill work a request would wait behind, P-token (tokens), times
-the requests sharing the instance, BS + 1. Tokens are a poor clock on long contexts: one engine step
+the requests sharing the instance, BS + 1. A token is a poor unit on long contexts: one engine step
 (one chunk of at most ``B`` prefill tokens plus one token of every running sequence) costs the dense
 and MoE layers for those tokens **plus attention over every running sequence's context**, and a
 prefill chunk's attention grows with the prompt's history before it. On the default profile a decode
 step of 32 sequences takes 38 ms at 100 tokens of context each and 245 ms at 100 k; a 4,096-token
 chunk takes 100 ms with no history and 1.3 s after 100 k tokens. And a request sent to an instance
 whose KV pool its running and queued requests already fill waits for blocks, or makes the engine
-preempt (recompute) a running sequence. So:
+preempt (recompute) a running sequence. So each prefill token is priced at what a token of a full
+chunk costs on that instance now, and the score is scaled by the pool's projected fill:
 
     score(i) = (T_wait(i) + T_own(i)) × (BS(i) + 1) × K(i)        (seconds × requests; lowest wins)
+    T_wait(i) = Q(i) × step(chunk(i), 0) / chunk(i)
+    T_own(i)  = p(i) × step(chunk(i), h̄(i)) / chunk(i)
 
-- W(i) = Q(i) + p(i): prefill tokens the instance computes before the request's first token;
-  Q(i) = ``queued_prefill_tokens`` (tokens queued there, routed or waiting), p(i) = prompt −
-  cached[i] (the request's own uncached prefill, at least 1: the engine computes one token).
+- Q(i) = ``queued_prefill_tokens`` (tokens queued there, routed or waiting); p(i) = prompt − cached[i]
+  (the request's own uncached prefill, at least 1: the engine always computes one token). With Q and
+  p in tokens this is LMetric's P-token, each token priced in seconds.
 - chunk(i) = max(B − running(i), 1): prefill tokens one step computes (vLLM schedules the running
   sequences' decode tokens first out of the budget B = ``max_batched_tokens``; 4,096 when unknown).
-- ctx(i) = ``decode_blocks`` × block size: tokens of KV the instance's sequences hold, what each
-  step's decode attention reads.
 - step(n, h) = the cost model's time of one step with an ``n``-token prefill chunk after ``h`` tokens
-  of history, beside ``running(i)`` decoding sequences holding ``ctx(i)`` tokens.
-- If W(i) fits one step (W ≤ chunk): T_wait = 0 and T_own = step(W, h̄), the first token comes after
-  one step. Else T_wait = Q/chunk × step(chunk, 0) (the queued requests' histories are not known:
-  counted as none) and T_own = p/chunk × step(chunk, h̄). h̄ = cached[i] + p/2 is the mean history of
-  the request's own chunks (a chunk's attention is linear in its history, so the mean gives the sum).
-- (BS + 1), BS = running + waiting: as in LMetric, the requests that share the instance while the
-  request's prefill and the queue ahead of it run (every step they wait for is theirs as well).
+  of history, beside ``running(i)`` decoding sequences holding ctx(i) = ``decode_blocks`` × block size
+  tokens of context: what each step's decode attention reads. So the price of a token rises with the
+  instance's decode batch and with its context, not with its request count alone.
+- h̄(i) = cached[i] + p(i)/2, the mean history of the request's own chunks (a chunk's attention is
+  linear in its history, so the mean gives the sum); the queued requests' histories are not known
+  and count as none.
+- Prices, not latencies: a short prompt that fits in one step still pays its share of a full chunk,
+  so a cache hit is worth the tokens it saves (as in LMetric) rather than being lost in the fixed cost
+  of a step that runs anyway.
+- (BS + 1), BS = running + waiting: as in LMetric, the requests sharing the instance while the queue
+  and the request's prefill run (every step they wait for is theirs as well).
 - K(i) = C / (C − U) with C = ``kv_capacity_blocks`` and U = ``decode_blocks`` + Q / block size, the
   blocks held plus those the queued prefill will take (projected KV demand). K = 1 on an empty pool,
   2 at half, and grows without bound as demand nears capacity; past it (U > C − 1), K = C × (2 + U −
@@ -88,11 +93,8 @@ class LMetricTime:
         ctx = view.decode_blocks * request.block_size
         q = view.queued_prefill_tokens
         p = max(request.prompt_tokens - cached, 1)
-        hist = cached + p // 2
-        if q + p <= chunk:
-            return 0.0, step(((q + p, hist),), nd, ctx)
         t_wait = q / chunk * step(((chunk, 0),), nd, ctx) if q else 0.0
-        return t_wait, p / chunk * step(((chunk, hist),), nd, ctx)
+        return t_wait, p / chunk * step(((chunk, cached + p // 2),), nd, ctx)
 
     def factor(self, request: RequestView, view: InstanceView) -> float:
         """K of ``view`` (module docstring; 1 with ``kv="off"``)."""

@@ -81,3 +81,19 @@ def test_reads_the_preset_folder_and_writes_markdown(tmp_path: Path) -> None:
     assert f"# Where the default (`{REF}`) leads" in text
     assert "capacity bound ×40" in text
     assert main(["--dir", str(tmp_path / "missing")]) == 2
+
+
+def test_a_result_without_the_default_is_read_against_lmetric(tmp_path: Path) -> None:
+    w = _workload()
+    for r in [*w["runs"], *w["seed_runs"]]:
+        r["policy"] = r["policy"].replace(REF, "lmetric")
+    (tmp_path / "chatbot").mkdir()
+    (tmp_path / "chatbot" / "results.json").write_text(json.dumps(w))
+    (tmp_path / "paper.json").write_text(
+        json.dumps({"workloads": [{"name": "chatbot", "bound": w["bound"]}]})
+    )
+    out = tmp_path / "s.md"
+    assert main(["--dir", str(tmp_path), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert f"# Where `lmetric` (the default, `{REF}`, was not in this run) leads" in text
+    assert "| vllm | 121.0 | +10% [+10, +10] | leads |" in text

@@ -236,6 +236,23 @@ def analyse(sim: RecordingSim, policy: str, block: int) -> dict[str, Any]:
             "shadow_pick_kv_demand_over_0.9": sum(x["kv_demand"] > 0.9 for x in sh_t) / len(d),
         }
     out["disagreements"] = dis
+    # the slowest 1 % of requests: where they went and what that instance looked like then
+    slow = sorted(recs, key=lambda r: r["first"] - r["arrival"])[-max(1, len(recs) // 100) :]
+    out["slowest"] = [
+        {
+            "ttft_s": round(r["first"] - r["arrival"], 3),
+            "routed_at_s": round(r["t"], 3),
+            "prompt": r["prompt"],
+            "instance": r["choice"],
+            "running": r["views"][r["choice"]][0],
+            "waiting": r["views"][r["choice"]][1],
+            "queued_prefill": r["views"][r["choice"]][2],
+            "kv_usage": round(r["views"][r["choice"]][4], 3),
+            "kv_demand": round(_terms(r, r["choice"], block)["kv_demand"], 3),
+            "preemptions_meanwhile": r["preempt1"] - r["preempt0"],
+        }
+        for r in slow
+    ]
     return out
 
 

@@ -40,8 +40,9 @@ chunk costs on that instance now, and the score is scaled by the pool's projecte
 - Ties: lower BS, then lower ``InstanceView.index``.
 
 Units: seconds from the cost model (any constant factor cancels: only the order matters), requests,
-blocks. No hyperparameter: B, the block size, C and the step times are the engine's config, profile
-and live state. The ``kv`` argument is for ablations (``held``: U = ``decode_blocks`` only, the
+blocks. No hyperparameter: B, the block size and C are the engine's config and live state; the step
+times come from ``cost``, which the registry (``lmetric-time``) takes from the default profile
+whatever engine runs behind (only the relative prices matter). The ``kv`` argument is for ablations (``held``: U = ``decode_blocks`` only, the
 ``lmetric-kv`` factor; ``off``: K = 1).
 """
 

@@ -5,8 +5,10 @@ policy of ``--policies`` (default: the paper preset's arms plus ``linear:0.9``) 
 (workload, instances, load) with ``--seeds`` seeds, and writes per cell, per arm, the mean of each
 metric over the seeds and the paired per-seed difference to ``--candidate`` (default: the registry's
 ``DEFAULT_POLICY``) with its 95 % t-interval: the candidate *leads* on a metric when the interval of
-(arm − candidate) lies above 0, *loses* when below, else *ties*. A trace is replayed exactly, so its
-cells use disjoint windows of the trace as samples (``--trace-windows``), not seeds.
+(arm − candidate) lies above 0, *loses* when below, else *ties*. A trace is replayed exactly, so a
+seed changes nothing there; its samples (``--trace-samples``) are replays at rates perturbed by
+0.1 % each (sample k at rate × (1 + k / 1000)): near saturation such a small change moves the means
+by tens of percent, and the interval over the samples says how far one replay can be trusted.
 
 Loads: each workload's default load in the paper preset at 16 instances (half the cache-blind
 balancer's max rate), scaled by instances / 16, and ``--heavy`` × that. Durations are short
@@ -48,20 +50,20 @@ def cell_specs(args: argparse.Namespace, arms: Sequence[str]) -> list[tuple[str,
     out = []
     for wl in args.workloads.split(","):
         for n in (int(x) for x in args.instances.split(",")):
-            for label, mult in (("default", 1.0), ("heavy", args.heavy)):
+            loads = (("default", 1.0), ("heavy", args.heavy)) if args.heavy > 0 else (("default", 1.0),)
+            for label, mult in loads:
                 rate = DEFAULT_LOAD[wl] * n / 16 * mult
                 for arm in arms:
                     if wl == "mooncake":
                         if not args.mooncake:
                             continue
-                        for k in range(args.trace_windows):
+                        for k in range(args.trace_samples):
                             spec = RunSpec(
                                 **arm_changes(arm),
                                 instances=n,
                                 trace=args.mooncake,
-                                rate_scale=rate,
+                                rate_scale=rate * (1 + k / 1000),
                                 duration=args.trace_duration,
-                                seed=k,
                             )
                             out.append((wl, n, label, k, spec))
                     else:
@@ -98,6 +100,39 @@ def verdict(lo: float, hi: float) -> str:
     return "tie"
 
 
+def render(report: dict[str, Any]) -> str:
+    """A markdown table of a grid's JSON: per cell, the candidate's figures, the best other arm on each
+    metric, and every arm that beats it beyond the interval (or, with one sample, by more than 2 %)."""
+    cand = report["candidate"]
+    out = [
+        f"| cell | samples | {cand}: TTFT mean / p99 / TPOT p99 (ms) | best other arm: mean | p99 | TPOT p99 "
+        f"| {cand} loses to |",
+        "|---|---:|---|---|---|---|---|",
+    ]
+    for key, c in report["cells"].items():
+        rows = c["arms"]
+        me = rows[cand]
+        best = []
+        for m, q in METRICS:
+            k = f"{m}_{q}"
+            arm = min((a for a in rows if a != cand), key=lambda a: rows[a][k])
+            d = rows[arm][f"{k}_vs"]
+            best.append(f"{arm} {rows[arm][k]:.1f} ({d[0] * 100:+.0f} %, {d[3]})")
+        losses = [
+            f"{arm} ({m.split('_')[0].upper()} {q}: {row[f'{m}_{q}_vs'][0] * 100:+.0f} %)"
+            for arm, row in rows.items()
+            if arm != cand
+            for m, q in METRICS
+            if row[f"{m}_{q}_vs"][3] == "lose"
+            or (row[f"{m}_{q}_vs"][3] == "one sample" and row[f"{m}_{q}_vs"][0] < -0.02)
+        ]
+        out.append(
+            f"| {key} ×{c['rate_scale']:.3g} | {c['samples']} | {me['ttft_ms_mean']:.1f} / {me['ttft_ms_p99']:.1f} / "
+            f"{me['tpot_ms_p99']:.1f} | {' | '.join(best)} | {', '.join(losses) or 'none'} |"
+        )
+    return "\n".join(out) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -107,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--candidate", default=DEFAULT_POLICY)
     ap.add_argument("--workloads", default="chatbot,coder,api,agent,multiturn,mooncake")
     ap.add_argument("--instances", default="8,16")
-    ap.add_argument("--heavy", type=float, default=1.5)
+    ap.add_argument("--heavy", type=float, default=1.5, help="the heavier load, × the default (0: none)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument(
         "--first-seed", type=int, default=1, help="seeds first_seed.. (seed 0 was used to design)"
@@ -115,10 +150,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=30.0)
     ap.add_argument("--mooncake", help="the Mooncake conversation trace")
     ap.add_argument("--trace-duration", type=float, default=60.0)
-    ap.add_argument("--trace-windows", type=int, default=1)
+    ap.add_argument("--trace-samples", type=int, default=3, help="replays per trace cell (perturbed rates)")
     ap.add_argument("--jobs", type=int, default=1)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="JSON file to write")
+    ap.add_argument("--render", help="print the markdown table of this grid JSON and exit (runs nothing)")
     args = ap.parse_args(argv)
+    if args.render:
+        print(render(json.loads(Path(args.render).read_text())), end="")
+        return 0
+    if not args.out:
+        ap.error("--out is required to run the grid")
     arms = [
         a for a in dict.fromkeys([args.candidate, *args.policies.split(","), *args.extra.split(",")]) if a
     ]

@@ -100,6 +100,19 @@ def verdict(lo: float, hi: float) -> str:
     return "tie"
 
 
+def losses(rows: dict[str, dict[str, Any]], cand: str) -> list[tuple[str, str, str, float]]:
+    """(arm, metric, quantile, relative difference) where ``cand`` loses: the arm is lower beyond the
+    interval, or, with one sample, by more than 2 %."""
+    return [
+        (arm, m, q, row[f"{m}_{q}_vs"][0])
+        for arm, row in rows.items()
+        if arm != cand
+        for m, q in METRICS
+        if row[f"{m}_{q}_vs"][3] == "lose"
+        or (row[f"{m}_{q}_vs"][3] == "one sample" and row[f"{m}_{q}_vs"][0] < -0.02)
+    ]
+
+
 def render(report: dict[str, Any]) -> str:
     """A markdown table of a grid's JSON: per cell, the candidate's figures, the best other arm on each
     metric, and every arm that beats it beyond the interval (or, with one sample, by more than 2 %)."""
@@ -118,17 +131,12 @@ def render(report: dict[str, Any]) -> str:
             arm = min((a for a in rows if a != cand), key=lambda a: rows[a][k])
             d = rows[arm][f"{k}_vs"]
             best.append(f"{arm} {rows[arm][k]:.1f} ({d[0] * 100:+.0f} %, {d[3]})")
-        losses = [
-            f"{arm} ({m.split('_')[0].upper()} {q}: {row[f'{m}_{q}_vs'][0] * 100:+.0f} %)"
-            for arm, row in rows.items()
-            if arm != cand
-            for m, q in METRICS
-            if row[f"{m}_{q}_vs"][3] == "lose"
-            or (row[f"{m}_{q}_vs"][3] == "one sample" and row[f"{m}_{q}_vs"][0] < -0.02)
+        lost = [
+            f"{arm} ({m.split('_')[0].upper()} {q}: {d * 100:+.0f} %)" for arm, m, q, d in losses(rows, cand)
         ]
         out.append(
             f"| {key} ×{c['rate_scale']:.3g} | {c['samples']} | {me['ttft_ms_mean']:.1f} / {me['ttft_ms_p99']:.1f} / "
-            f"{me['tpot_ms_p99']:.1f} | {' | '.join(best)} | {', '.join(losses) or 'none'} |"
+            f"{me['tpot_ms_p99']:.1f} | {' | '.join(best)} | {', '.join(lost) or 'none'} |"
         )
     return "\n".join(out) + "\n"
 
@@ -204,14 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     row[f"{m}_{q}_vs"] = [round(d, 4), round(lo, 4), round(hi, 4), verdict(lo, hi)]
             rows[arm] = row
         report["cells"][key] = {"rate_scale": c["rate_scale"], "samples": len(samples), "arms": rows}
-        loses = [
-            f"{arm}:{m}_{q}"
-            for arm, row in rows.items()
-            if arm != cand
-            for m, q in METRICS
-            if row[f"{m}_{q}_vs"][3] == "lose"
-            or (row[f"{m}_{q}_vs"][3] == "one sample" and row[f"{m}_{q}_vs"][0] < -0.02)
-        ]
+        loses = [f"{arm}:{m}_{q}" for arm, m, q, _ in losses(rows, cand)]
         print(
             f"{key}: {cand} ttft mean {rows[cand]['ttft_ms_mean']:.1f} p99 {rows[cand]['ttft_ms_p99']:.1f}; "
             f"loses to: {', '.join(loses) or 'none'}",

@@ -67,8 +67,8 @@ def test_verdicts_capacity_and_the_bound() -> None:
     )
 
 
-def test_reads_the_preset_folder_and_writes_markdown(tmp_path: Path) -> None:
-    w = _workload()
+def _summary_of(w: dict[str, Any], tmp_path: Path) -> str:
+    """The markdown ``main`` writes for a preset folder holding workload ``w``."""
     (tmp_path / "chatbot").mkdir()
     (tmp_path / "chatbot" / "results.json").write_text(json.dumps(w))
     (tmp_path / "paper.json").write_text(
@@ -76,7 +76,11 @@ def test_reads_the_preset_folder_and_writes_markdown(tmp_path: Path) -> None:
     )
     out = tmp_path / "s.md"
     assert main(["--dir", str(tmp_path), "--out", str(out)]) == 0
-    text = out.read_text()
+    return out.read_text()
+
+
+def test_reads_the_preset_folder_and_writes_markdown(tmp_path: Path) -> None:
+    text = _summary_of(_workload(), tmp_path)
     assert "| vllm | 121.0 | +10% [+10, +10] | leads | 242.0 | +10% [+10, +10] | leads | 20.0 |" in text
     assert f"# Where the default (`{REF}`) leads" in text
     assert "capacity bound ×40" in text
@@ -87,13 +91,6 @@ def test_a_result_without_the_default_is_read_against_lmetric(tmp_path: Path) ->
     w = _workload()
     for r in [*w["runs"], *w["seed_runs"]]:
         r["policy"] = r["policy"].replace(REF, "lmetric")
-    (tmp_path / "chatbot").mkdir()
-    (tmp_path / "chatbot" / "results.json").write_text(json.dumps(w))
-    (tmp_path / "paper.json").write_text(
-        json.dumps({"workloads": [{"name": "chatbot", "bound": w["bound"]}]})
-    )
-    out = tmp_path / "s.md"
-    assert main(["--dir", str(tmp_path), "--out", str(out)]) == 0
-    text = out.read_text()
+    text = _summary_of(w, tmp_path)
     assert f"# Where `lmetric` (the default, `{REF}`, was not in this run) leads" in text
     assert "| vllm | 121.0 | +10% [+10, +10] | leads |" in text

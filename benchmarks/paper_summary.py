@@ -1,12 +1,13 @@
-"""Where kvroute's ``lmetric`` leads, ties and loses in the paper preset's committed result.
+"""Where kvroute's default policy leads, ties and loses in the paper preset's committed result.
 
 Reads what ``kvroute compare --preset paper`` wrote (``docs/results/paper/paper.json`` and each
 workload's ``results.json``) and prints, per workload, markdown tables of:
 
-- every arm against ``lmetric`` at the default load: mean and p99 TTFT over the seeds, with the paired
-  relative difference and its 95 % interval (:mod:`kvroute.sim.stats`; *lead* / *loss* only when the
-  interval excludes 0, else *tie*), and capacity at the SLO as a ratio to ``lmetric``'s and as a
-  fraction of the bound (:mod:`kvroute.sim.bound`);
+- every arm against the default (``DEFAULT_POLICY``) at the default load: mean and p99 TTFT and p99
+  TPOT over the seeds, with the paired relative difference and its 95 % interval
+  (:mod:`kvroute.sim.stats`; *lead* / *loss* only when the interval excludes 0, else *tie*), and
+  capacity at the SLO as a ratio to the default's and as a fraction of the bound
+  (:mod:`kvroute.sim.bound`);
 - the router-side queue: each policy's ``+queue`` arm against the policy, capacity and TTFT p99 at the
   default load and at the light rate (the lowest of the preset's rates).
 
@@ -24,10 +25,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvroute.policies.registry import DEFAULT_POLICY
 from kvroute.sim.compare import ROUTER_QUEUE
 from kvroute.sim.stats import Interval, fmt_relative, paired_relative
 
-REFERENCE = "lmetric"
+REFERENCE = DEFAULT_POLICY
 
 
 def _runs_at(w: dict[str, Any], rate: float) -> dict[str, dict[int, dict[str, Any]]]:
@@ -40,34 +42,34 @@ def _runs_at(w: dict[str, Any], rate: float) -> dict[str, dict[int, dict[str, An
 
 
 def _verdict(iv: Interval) -> str:
-    """lead / loss against lmetric for the *other* arm's relative difference (positive: it is slower)."""
+    """lead / loss of the default against the *other* arm's relative difference (positive: it is slower)."""
     if iv.n < 2:
         return "one sample"
     if not iv.excludes_zero():
         return "tie"
-    return "lmetric leads" if iv.mean > 0 else "lmetric loses"
+    return "leads" if iv.mean > 0 else "loses"
 
 
-def _paired(by_seed: dict[int, dict[str, Any]], ref: dict[int, dict[str, Any]], key: str) -> Interval:
+def _paired(
+    by_seed: dict[int, dict[str, Any]], ref: dict[int, dict[str, Any]], key: str, metric: str = "ttft_ms"
+) -> Interval:
     seeds = sorted(set(by_seed) & set(ref))
-    return paired_relative(
-        [by_seed[s]["ttft_ms"][key] for s in seeds], [ref[s]["ttft_ms"][key] for s in seeds]
-    )
+    return paired_relative([by_seed[s][metric][key] for s in seeds], [ref[s][metric][key] for s in seeds])
 
 
 def _capacity(w: dict[str, Any]) -> dict[str, float | None]:
     return {c["policy"]: c["rate"] for c in w.get("capacity", []) if int(c["seed"]) == 0}
 
 
-def summarize(w: dict[str, Any]) -> dict[str, Any]:
-    """One workload's rows (JSON-able)."""
+def summarize(w: dict[str, Any], reference: str = REFERENCE) -> dict[str, Any]:
+    """One workload's rows (JSON-able), every arm against ``reference``."""
     at = _runs_at(w, w["default_rate"])
     light = _runs_at(w, min(w["rates"]))
     caps = _capacity(w)
     bound = (w.get("bound") or {}).get("capacity")
     bound_rates = (w.get("bound") or {}).get("rates") or [{}]
     ttft_bound = bound_rates[0].get("ttft_mean_ms")
-    ref, ref_cap = at.get(REFERENCE, {}), caps.get(REFERENCE)
+    ref, ref_cap = at.get(reference, {}), caps.get(reference)
     rows = []
     best = w.get("best_lambda")
     for arm, by_seed in at.items():
@@ -75,6 +77,7 @@ def summarize(w: dict[str, Any]) -> dict[str, Any]:
             continue  # the λ grid: only the best λ is a shown arm
         mean = _paired(by_seed, ref, "mean")
         p99 = _paired(by_seed, ref, "p99")
+        tpot = _paired(by_seed, ref, "p99", "tpot_ms")
         cap = caps.get(arm)
         ttft_mean = sum(r["ttft_ms"]["mean"] for r in by_seed.values()) / len(by_seed)
         rows.append(
@@ -83,11 +86,15 @@ def summarize(w: dict[str, Any]) -> dict[str, Any]:
                 "ttft_mean_ms": ttft_mean,
                 "ttft_of_bound": ttft_bound / ttft_mean if ttft_bound and ttft_mean else None,
                 "ttft_p99_ms": sum(r["ttft_ms"]["p99"] for r in by_seed.values()) / len(by_seed),
-                "vs_lmetric_mean": [mean.mean, mean.half, mean.n],
-                "vs_lmetric_p99": [p99.mean, p99.half, p99.n],
-                "verdict_mean": _verdict(mean) if arm != REFERENCE else "",
+                "tpot_p99_ms": sum(r["tpot_ms"]["p99"] for r in by_seed.values()) / len(by_seed),
+                "vs_default_mean": [mean.mean, mean.half, mean.n],
+                "vs_default_p99": [p99.mean, p99.half, p99.n],
+                "vs_default_tpot_p99": [tpot.mean, tpot.half, tpot.n],
+                "verdict_mean": _verdict(mean) if arm != reference else "",
+                "verdict_p99": _verdict(p99) if arm != reference else "",
+                "verdict_tpot_p99": _verdict(tpot) if arm != reference else "",
                 "capacity": cap,
-                "capacity_vs_lmetric": cap / ref_cap if cap and ref_cap else None,
+                "capacity_vs_default": cap / ref_cap if cap and ref_cap else None,
                 "of_bound": cap / bound if cap and bound else None,
             }
         )
@@ -112,6 +119,7 @@ def summarize(w: dict[str, Any]) -> dict[str, Any]:
         )
     return {
         "name": w["name"],
+        "reference": reference,
         "default_rate": w["default_rate"],
         "bound": bound,
         "ttft_bound_ms": ttft_bound,
@@ -125,16 +133,23 @@ def _x(v: float | None, digits: int = 2) -> str:
     return "—" if v is None else f"{v:.{digits}f}"
 
 
-def markdown(summaries: Sequence[dict[str, Any]], source: str) -> str:
+def markdown(summaries: Sequence[dict[str, Any]], source: str, reference: str = REFERENCE) -> str:
+    what = (
+        f"the default (`{reference}`)"
+        if reference == DEFAULT_POLICY
+        else f"`{reference}` (the default, `{DEFAULT_POLICY}`, was not in this run)"
+    )
     out = [
-        "# Where `lmetric` leads, ties and loses (the paper preset)",
+        f"# Where {what} leads, ties and loses (the paper preset)",
         "",
         f"<!-- generated by `python -m benchmarks.paper_summary` from {source}; edits are overwritten -->",
         "",
-        "Mean TTFT at the default load over the preset's seeds; the difference is the other arm's, paired "
-        "by seed, with its 95 % interval: *lmetric leads* (the arm is slower) or *lmetric loses* only "
-        "when the interval excludes 0, else *tie*. Capacity at the SLO is seed 0's (resolution ×1.09), "
-        "as a ratio to `lmetric`'s and as a fraction of the bound no router beats; *TTFT of the bound* is "
+        "Mean and p99 TTFT and p99 TPOT at the default load over the preset's seeds; each difference is "
+        f"the other arm's against `{reference}`, paired by seed, with its 95 % interval; the verdict "
+        f"says whether `{reference}` *leads* (the arm is slower) or *loses* (the arm is faster) on that "
+        "metric, and only when the interval excludes 0, else *tie* (a trace is one sample: no verdict). "
+        "Capacity at the SLO is seed 0's (resolution ×1.09), as a ratio to the reference's and as a "
+        "fraction of the bound no router beats. *TTFT of the bound* is "
         "the bound's mean TTFT over the arm's (1 would be at the bound; the bound counts KV capacity, "
         "docs/results/bound.md).",
     ]
@@ -151,18 +166,21 @@ def markdown(summaries: Sequence[dict[str, Any]], source: str) -> str:
             )
             + ")",
             "",
-            "| arm | TTFT mean (ms) | vs lmetric | verdict | TTFT p99 (ms) | vs lmetric | capacity | vs lmetric "
-            "| of the bound | TTFT of the bound |",
-            "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+            "| arm | TTFT mean (ms) | vs reference | verdict | TTFT p99 (ms) | vs reference | verdict | "
+            "TPOT p99 (ms) | vs reference | verdict | capacity | vs reference | of the bound | TTFT of the bound |",
+            "|---|---:|---:|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|",
         ]
         for r in s["rows"]:
-            m, p = Interval(*r["vs_lmetric_mean"]), Interval(*r["vs_lmetric_p99"])
-            same = r["arm"] == REFERENCE
+            m, p = Interval(*r["vs_default_mean"]), Interval(*r["vs_default_p99"])
+            t = Interval(*r["vs_default_tpot_p99"])
+            same = r["arm"] == reference
             out.append(
-                f"| {r['arm']} | {r['ttft_mean_ms']:.1f} | {'' if same else fmt_relative(m)} | "
-                f"{r['verdict_mean']} | {r['ttft_p99_ms']:.1f} | {'' if same else fmt_relative(p)} | "
+                f"| {'**' + r['arm'] + '**' if same else r['arm']} | {r['ttft_mean_ms']:.1f} | "
+                f"{'' if same else fmt_relative(m)} | {r['verdict_mean']} | {r['ttft_p99_ms']:.1f} | "
+                f"{'' if same else fmt_relative(p)} | {r['verdict_p99']} | {r['tpot_p99_ms']:.1f} | "
+                f"{'' if same else fmt_relative(t)} | {r['verdict_tpot_p99']} | "
                 f"{'—' if r['capacity'] is None else '×' + format(r['capacity'], '.3g')} | "
-                f"{_x(r['capacity_vs_lmetric'])} | {_x(r['of_bound'], 3)} | {_x(r.get('ttft_of_bound'), 3)} |"
+                f"{_x(r['capacity_vs_default'])} | {_x(r['of_bound'], 3)} | {_x(r.get('ttft_of_bound'), 3)} |"
             )
         if s["queue"]:
             out += [
@@ -189,6 +207,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--dir", default="docs/results/paper", help="the preset's output folder")
     ap.add_argument("--out", help="write the markdown here too")
     ap.add_argument("--json", help="write the numbers here")
+    ap.add_argument(
+        "--reference",
+        help=f"the arm the others are compared with (default: {DEFAULT_POLICY}, the default policy, when the "
+        "result has it, else lmetric)",
+    )
     args = ap.parse_args(argv)
     folder = Path(args.dir)
     try:
@@ -201,8 +224,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as exc:
         print(f"paper_summary: cannot read the preset's result in {folder}: {exc}", file=sys.stderr)
         return 2
-    summaries = [summarize(w) for w in workloads]
-    text = markdown(summaries, f"`{folder}`")
+    reference = args.reference
+    if reference is None:
+        ran = {r["policy"] for w in workloads for r in w["runs"]}
+        reference = REFERENCE if REFERENCE in ran else "lmetric"
+    summaries = [summarize(w, reference) for w in workloads]
+    text = markdown(summaries, f"`{folder}`", reference)
     print(text)
     if args.out:
         Path(args.out).write_text(text)

@@ -6,27 +6,38 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.paper_summary import main, summarize
+from benchmarks.paper_summary import REFERENCE, main, summarize
+
+from kvroute.policies.registry import DEFAULT_POLICY
+
+REF = DEFAULT_POLICY
 
 
-def _run(policy: str, rate: float, seed: int, mean: float, p99: float) -> dict[str, Any]:
-    return {"policy": policy, "rate_scale": rate, "seed": seed, "ttft_ms": {"mean": mean, "p99": p99}}
+def _run(policy: str, rate: float, seed: int, mean: float, p99: float, tpot: float = 20.0) -> dict[str, Any]:
+    return {
+        "policy": policy,
+        "rate_scale": rate,
+        "seed": seed,
+        "ttft_ms": {"mean": mean, "p99": p99},
+        "tpot_ms": {"p99": tpot},
+    }
 
 
 def _workload() -> dict[str, Any]:
     runs, seed_runs = [], []
-    # lmetric: 100/110/120 ms over seeds 0..2; vllm 10 % slower on every seed (a clear lead);
-    # llm-d-lmetric +5 %, −5 %, 0 % (a tie); lmetric +queue equal at the default load
+    # the default: 100/110/120 ms over seeds 0..2; vllm 10 % slower on every seed (a clear lead);
+    # llm-d-lmetric +5 %, −5 %, 0 % (a tie) with a TPOT p99 20 % lower (a loss); the default +queue
+    # equal at the default load
     for s, base in enumerate((100.0, 110.0, 120.0)):
         rows = [
-            _run("lmetric", 2.0, s, base, 2 * base),
+            _run(REF, 2.0, s, base, 2 * base),
             _run("vllm", 2.0, s, 1.1 * base, 2.2 * base),
-            _run("llm-d-lmetric", 2.0, s, base * (1.05, 0.95, 1.0)[s], 2 * base),
-            _run("lmetric +queue", 2.0, s, base, 2 * base),
+            _run("llm-d-lmetric", 2.0, s, base * (1.05, 0.95, 1.0)[s], 2 * base, tpot=16.0),
+            _run(REF + " +queue", 2.0, s, base, 2 * base),
         ]
         (runs if s == 0 else seed_runs).extend(rows)
-    runs += [_run("lmetric", 0.5, 0, 50.0, 70.0), _run("lmetric +queue", 0.5, 0, 50.0, 69.0)]
-    caps = {"lmetric": 4.0, "vllm": 2.0, "llm-d-lmetric": 4.0, "lmetric +queue": 5.0}
+    runs += [_run(REF, 0.5, 0, 50.0, 70.0), _run(REF + " +queue", 0.5, 0, 50.0, 69.0)]
+    caps = {REF: 4.0, "vllm": 2.0, "llm-d-lmetric": 4.0, REF + " +queue": 5.0}
     return {
         "name": "chatbot",
         "default_rate": 2.0,
@@ -39,23 +50,25 @@ def _workload() -> dict[str, Any]:
 
 
 def test_verdicts_capacity_and_the_bound() -> None:
+    assert REFERENCE == DEFAULT_POLICY
     s = summarize(_workload())
     rows = {r["arm"]: r for r in s["rows"]}
-    assert rows["vllm"]["verdict_mean"] == "lmetric leads"
-    assert abs(rows["vllm"]["vs_lmetric_mean"][0] - 0.10) < 1e-12
+    assert rows["vllm"]["verdict_mean"] == "leads" and rows["vllm"]["verdict_p99"] == "leads"
+    assert abs(rows["vllm"]["vs_default_mean"][0] - 0.10) < 1e-12
     assert rows["llm-d-lmetric"]["verdict_mean"] == "tie"
-    assert rows["vllm"]["capacity_vs_lmetric"] == 0.5 and rows["lmetric"]["of_bound"] == 0.1
+    assert rows["llm-d-lmetric"]["verdict_tpot_p99"] == "loses"
+    assert rows["vllm"]["capacity_vs_default"] == 0.5 and rows[REF]["of_bound"] == 0.1
     (q,) = s["queue"]
     assert (q["policy"], q["ratio"], q["light_p99_ms"], q["light_p99_queue_ms"]) == (
-        "lmetric",
+        REF,
         1.25,
         70.0,
         69.0,
     )
 
 
-def test_reads_the_preset_folder_and_writes_markdown(tmp_path: Path) -> None:
-    w = _workload()
+def _summary_of(w: dict[str, Any], tmp_path: Path) -> str:
+    """The markdown ``main`` writes for a preset folder holding workload ``w``."""
     (tmp_path / "chatbot").mkdir()
     (tmp_path / "chatbot" / "results.json").write_text(json.dumps(w))
     (tmp_path / "paper.json").write_text(
@@ -63,7 +76,21 @@ def test_reads_the_preset_folder_and_writes_markdown(tmp_path: Path) -> None:
     )
     out = tmp_path / "s.md"
     assert main(["--dir", str(tmp_path), "--out", str(out)]) == 0
-    text = out.read_text()
-    assert "| vllm | 121.0 | +10% [+10, +10] | lmetric leads |" in text
+    return out.read_text()
+
+
+def test_reads_the_preset_folder_and_writes_markdown(tmp_path: Path) -> None:
+    text = _summary_of(_workload(), tmp_path)
+    assert "| vllm | 121.0 | +10% [+10, +10] | leads | 242.0 | +10% [+10, +10] | leads | 20.0 |" in text
+    assert f"# Where the default (`{REF}`) leads" in text
     assert "capacity bound ×40" in text
     assert main(["--dir", str(tmp_path / "missing")]) == 2
+
+
+def test_a_result_without_the_default_is_read_against_lmetric(tmp_path: Path) -> None:
+    w = _workload()
+    for r in [*w["runs"], *w["seed_runs"]]:
+        r["policy"] = r["policy"].replace(REF, "lmetric")
+    text = _summary_of(w, tmp_path)
+    assert f"# Where `lmetric` (the default, `{REF}`, was not in this run) leads" in text
+    assert "| vllm | 121.0 | +10% [+10, +10] | leads |" in text

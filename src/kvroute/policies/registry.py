@@ -24,6 +24,7 @@ from kvroute.policies.llm_d import LlmD
 from kvroute.policies.llm_d_lmetric import LlmDLMetric
 from kvroute.policies.lmetric import LMetric
 from kvroute.policies.lmetric_kv import LMetricKV
+from kvroute.policies.lmetric_time import KV_MODES, LMetricTime
 from kvroute.policies.sglang import SglangCacheAware
 from kvroute.policies.simple import LeastRequests, PowerOfTwo, RandomChoice, RoundRobin
 from kvroute.policies.smetric import VllmRouterSMetric
@@ -56,6 +57,14 @@ def _lmetric(param: str | None, rng: random.Random) -> Policy:
     if param is None:
         return LMetric()
     return LMetric(bs_weight=_float_param("lmetric", param, 0.0, 16.0), name=f"lmetric:{param}")
+
+
+def _lmetric_time(param: str | None, rng: random.Random) -> Policy:
+    from kvroute.engine.cost import get_profile
+
+    kv = _choice_param("lmetric-time", param, KV_MODES)
+    name = "lmetric-time" if param is None else f"lmetric-time:{param}"
+    return LMetricTime(get_profile().cost, name=name, kv=kv)
 
 
 def _linear(param: str | None, rng: random.Random) -> Policy:
@@ -99,6 +108,7 @@ POLICIES: Mapping[str, PolicyFactory] = MappingProxyType(
     {
         "lmetric": _lmetric,
         "lmetric-kv": _simple(LMetricKV, "lmetric-kv"),
+        "lmetric-time": _lmetric_time,
         "vllm": _vllm,
         "llm-d": _simple(LlmD, "llm-d"),
         "sglang": _simple(SglangCacheAware, "sglang"),
@@ -128,7 +138,7 @@ The peers' own LMetric variants, ported from their sources (each module's docstr
 ``vllm-router-smetric`` (vllm-project/router's ``smetric``).
 """
 
-DEFAULT_POLICY = "lmetric"
+DEFAULT_POLICY = "lmetric-time"
 """The policy every driver uses when none is named (``sim``, ``compare``, ``serve``, ``up``, the Ray
 router, the main job): the one place that names it."""
 

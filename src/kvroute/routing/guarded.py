@@ -48,6 +48,7 @@ from kvroute.features.settings import FeatureConfig
 from kvroute.policies.base import Policy, check_inputs
 from kvroute.policies.lmetric import LMetric
 from kvroute.policies.lmetric_kv import LMetricKV, kv_pressure
+from kvroute.policies.lmetric_time import LMetricTime
 from kvroute.views import Choice, InstanceView, RequestView
 
 __all__ = ["Guarded"]
@@ -63,10 +64,11 @@ class Guarded:
     def __init__(self, inner: Policy, features: FeatureConfig) -> None:
         self.features = features.check()
         self.inner = inner
-        lm = inner if isinstance(inner, (LMetric, LMetricKV)) else None
+        lm = inner if isinstance(inner, (LMetric, LMetricKV, LMetricTime)) else None
         if lm is None and (features.classes is not None or features.load_adaptive is not None):
             raise UserError(
-                f"request classes and load-adaptive weighting need policy lmetric or lmetric-kv, not {inner.name}"
+                "request classes and load-adaptive weighting need policy lmetric, lmetric-kv or lmetric-time, "
+                f"not {inner.name}"
             )
         self._lmetric = lm
         self._own_score = lm is not None and (
@@ -281,10 +283,22 @@ class Guarded:
             w *= wl
         offset = feats.cold_start.p_token_offset if feats.cold_start is not None and warming else 0
         n = len(instances)
+        if isinstance(lm, LMetricTime):  # its prefill time × K in place of P-token (offset: queued tokens)
+            views = [
+                dataclasses.replace(v, queued_prefill_tokens=v.queued_prefill_tokens + offset)
+                if offset and warming is not None and warming[i]
+                else v
+                for i, v in enumerate(instances)
+            ]
+            times, _, ks = lm.parts(request, views)
+            base = [(t0 + t1) * k for (t0, t1), k in zip(times, ks, strict=True)]
         scores: list[float] = []
         for i in range(n):
             if not mask[i]:
                 scores.append(math.inf)
+                continue
+            if isinstance(lm, LMetricTime):
+                scores.append(base[i] * (bs[i] + 1) ** w)
                 continue
             p = p_token[i] + (offset if warming is not None and warming[i] else 0)
             score = float(p * (bs[i] + 1)) if w == 1.0 else p * (bs[i] + 1) ** w

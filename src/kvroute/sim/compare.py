@@ -23,7 +23,7 @@ from types import TracebackType
 from typing import Any
 
 from kvroute.errors import UserError
-from kvroute.policies.registry import PEER_LMETRICS
+from kvroute.policies.registry import DEFAULT_POLICY, PEER_LMETRICS
 from kvroute.routing.queue import QueueConfig
 from kvroute.sim.bound import UnchainedBlocks, bound_summary
 from kvroute.sim.capacity import Capacity, CapacityRule, CapacitySearch, Slo
@@ -294,17 +294,13 @@ def find_saturation(rule: SaturationRule, measure: Callable[[float], Summary]) -
 
 # ----------------------------------------------------------------------------------------- paper preset
 
-PAPER_POLICIES: tuple[str, ...] = (
-    "vllm",
-    "llm-d",
-    "lmetric",
-    "lmetric-kv",
-    "sglang",
-    "dynamo",
-    *PEER_LMETRICS,
+PAPER_POLICIES: tuple[str, ...] = tuple(
+    dict.fromkeys(
+        ("vllm", "llm-d", DEFAULT_POLICY, "lmetric", "lmetric-kv", "sglang", "dynamo", *PEER_LMETRICS)
+    )
 )
 """The paper preset's fixed policies (registry names; the first is the reference whose saturation sets
-the rates), the peers' own LMetric variants last. To evaluate a new policy in the preset, add its name
+the rates): the default, the paper's ``lmetric`` and the peers' own LMetric variants last. To evaluate a new policy in the preset, add its name
 here (or pass ``--policies``)."""
 
 NO_PREFIX_CACHING = " (prefix caching off)"

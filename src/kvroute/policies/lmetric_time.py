@@ -1,0 +1,137 @@
+"""LMetric-time: LMetric's P-token × (BS + 1) with every prefill token priced in engine time, and KV demand (kvroute's policy).
+
+LMetric scores an instance by the prefill work a request would wait behind, P-token (tokens), times
+the requests sharing the instance, BS + 1. A token is a poor unit on long contexts: one engine step
+(one chunk of at most ``B`` prefill tokens plus one token of every running sequence) costs the dense
+and MoE layers for those tokens **plus attention over every running sequence's context**, and a
+prefill chunk's attention grows with the prompt's history before it. On the default profile a decode
+step of 32 sequences takes 38 ms at 100 tokens of context each and 245 ms at 100 k; a 4,096-token
+chunk takes 100 ms with no history and 1.3 s after 100 k tokens. And a request sent to an instance
+whose KV pool its running and queued requests already fill waits for blocks, or makes the engine
+preempt (recompute) a running sequence. So each prefill token is priced at what a token of a full
+chunk costs on that instance now, and the score is scaled by the pool's projected fill:
+
+    score(i) = (T_wait(i) + T_own(i)) × (BS(i) + 1) × K(i)        (seconds × requests; lowest wins)
+    T_wait(i) = Q(i) × step(chunk(i), 0) / chunk(i)
+    T_own(i)  = p(i) × step(chunk(i), h̄(i)) / chunk(i)
+
+- Q(i) = ``queued_prefill_tokens`` (tokens queued there, routed or waiting); p(i) = prompt − cached[i]
+  (the request's own uncached prefill, at least 1: the engine always computes one token). With Q and
+  p in tokens this is LMetric's P-token, each token priced in seconds.
+- chunk(i) = max(B − running(i), 1): prefill tokens one step computes (vLLM schedules the running
+  sequences' decode tokens first out of the budget B = ``max_batched_tokens``; 4,096 when unknown).
+- step(n, h) = the cost model's time of one step with an ``n``-token prefill chunk after ``h`` tokens
+  of history, beside ``running(i)`` decoding sequences holding ctx(i) = ``decode_blocks`` × block size
+  tokens of context: what each step's decode attention reads. So the price of a token rises with the
+  instance's decode batch and with its context, not with its request count alone.
+- h̄(i) = cached[i] + p(i)/2, the mean history of the request's own chunks (a chunk's attention is
+  linear in its history, so the mean gives the sum); the queued requests' histories are not known
+  and count as none.
+- Prices, not latencies: a short prompt that fits in one step still pays its share of a full chunk,
+  so a cache hit is worth the tokens it saves (as in LMetric) rather than being lost in the fixed cost
+  of a step that runs anyway.
+- (BS + 1), BS = running + waiting: as in LMetric, the requests sharing the instance while the queue
+  and the request's prefill run (every step they wait for is theirs as well).
+- K(i) = C / (C − U) with C = ``kv_capacity_blocks`` and U = ``decode_blocks`` + Q / block size, the
+  blocks held plus those the queued prefill will take (projected KV demand). K = 1 on an empty pool,
+  2 at half, and grows without bound as demand nears capacity; past it (U > C − 1), K = C × (2 + U −
+  C) keeps growing linearly, so an overcommitted instance stays worse than a merely full one. C
+  unknown (0): K = 1.
+- Ties: lower BS, then lower ``InstanceView.index``.
+
+Units: seconds from the cost model (any constant factor cancels: only the order matters), requests,
+blocks. No hyperparameter: B, the block size and C are the engine's config and live state; the step
+times come from ``cost``, which the registry (``lmetric-time``) takes from the default profile
+whatever engine runs behind (only the relative prices matter). The ``kv`` argument is for ablations (``held``: U = ``decode_blocks`` only, the
+``lmetric-kv`` factor; ``off``: K = 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvroute.engine.types import CostModel
+from kvroute.policies.base import check_inputs
+from kvroute.views import Choice, InstanceView, RequestView
+
+__all__ = ["DEFAULT_CHUNK", "KV_MODES", "LMetricTime", "kv_demand_factor"]
+
+DEFAULT_CHUNK = 4096
+"""The chunk budget B (tokens) assumed when an instance does not report ``max_batched_tokens``."""
+
+KV_MODES = ("demand", "held", "off")
+"""How K counts KV use: held plus queued blocks (the policy), held blocks only, or not at all."""
+
+
+def kv_demand_factor(capacity: int, demand: float) -> float:
+    """K for a pool of ``capacity`` blocks with ``demand`` blocks projected (module docstring): 1 when
+    the capacity is unknown (0); C / (C − U) while at least one block stays free; C × (2 + U − C) past
+    that (equal to C at U = C − 1, then growing by C per block of overcommitment)."""
+    if capacity <= 0:
+        return 1.0
+    free = capacity - demand
+    return capacity / free if free >= 1 else capacity * (2.0 - free)
+
+
+class LMetricTime:
+    """score = (T_wait + T_own) × (BS + 1) × K in cost-model seconds, lowest wins (module docstring).
+    ``cost``: the engine's cost model (pure; only its ``step_time`` is called)."""
+
+    __slots__ = ("_cost", "kv", "name")
+
+    def __init__(self, cost: CostModel, name: str = "lmetric-time", kv: str = "demand") -> None:
+        if kv not in KV_MODES:
+            raise ValueError(f"kv must be one of {KV_MODES}, got {kv!r}")
+        self._cost = cost
+        self.name = name
+        self.kv = kv
+
+    def times(self, request: RequestView, view: InstanceView, cached: int) -> tuple[float, float]:
+        """(T_wait, T_own) of ``request`` on ``view`` with ``cached`` prompt tokens cached there, seconds."""
+        step = self._cost.step_time
+        nd = view.running
+        chunk = max((view.max_batched_tokens or DEFAULT_CHUNK) - nd, 1)
+        ctx = view.decode_blocks * request.block_size
+        q = view.queued_prefill_tokens
+        p = max(request.prompt_tokens - cached, 1)
+        t_wait = q / chunk * step(((chunk, 0),), nd, ctx) if q else 0.0
+        return t_wait, p / chunk * step(((chunk, cached + p // 2),), nd, ctx)
+
+    def factor(self, request: RequestView, view: InstanceView) -> float:
+        """K of ``view`` (module docstring; 1 with ``kv="off"``)."""
+        if self.kv == "off":
+            return 1.0
+        demand = float(view.decode_blocks)
+        if self.kv == "demand":
+            demand += view.queued_prefill_tokens / max(request.block_size, 1)
+        return kv_demand_factor(view.kv_capacity_blocks, demand)
+
+    def parts(
+        self, request: RequestView, instances: Sequence[InstanceView]
+    ) -> tuple[list[tuple[float, float]], list[int], list[float]]:
+        """Per instance: (T_wait, T_own) in seconds, BS in requests, K; the score is
+        (T_wait + T_own) × (BS + 1) × K. The feature wrapper (:mod:`kvroute.routing.guarded`) reweights
+        BS from these for request classes and load-adaptive weighting."""
+        check_inputs(request, instances)
+        times = [self.times(request, v, c) for c, v in zip(request.cached_tokens, instances, strict=True)]
+        return times, [v.running + v.waiting for v in instances], [self.factor(request, v) for v in instances]
+
+    def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
+        """Pick the instance with the lowest (T_wait + T_own) × (BS + 1) × K."""
+        times, bs, ks = self.parts(request, instances)
+        scores = [(w + o) * (b + 1) * k for (w, o), b, k in zip(times, bs, ks, strict=True)]
+        best_s = min(scores)
+        best = min(
+            (i for i in range(len(scores)) if scores[i] == best_s), key=lambda i: (bs[i], instances[i].index)
+        )
+        return Choice(
+            choice=best,
+            scores=tuple(scores),
+            policy=self.name,
+            detail={
+                "t_wait_s": tuple(t[0] for t in times),
+                "t_own_s": tuple(t[1] for t in times),
+                "bs": tuple(map(float, bs)),
+                "kv_factor": tuple(ks),
+            },
+        )

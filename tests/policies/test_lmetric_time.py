@@ -1,0 +1,153 @@
+"""lmetric-time: (T_wait + T_own) × (BS + 1) × K in cost-model seconds, checked by hand.
+
+The cost model here is a small linear one written for the test (the policy takes any pure cost
+model), so every figure below can be computed on paper:
+step = 10 ms + 10 µs per token computed (chunk tokens + decode tokens) + ``ATT`` s per token of decode
+context + 1 ns per (chunk token × token of history).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace as dataclass_replace
+
+import pytest
+
+from kvroute.errors import UserError
+from kvroute.policies.lmetric_time import LMetricTime, kv_demand_factor
+from kvroute.policies.registry import DEFAULT_POLICY, make_policy
+from kvroute.views import InstanceView, RequestView
+
+
+class LinearCost:
+    """The hand-computable cost model of the module docstring; ``att``: seconds per context token."""
+
+    name = "linear-test"
+
+    def __init__(self, att: float = 1e-7) -> None:
+        self.att = att
+
+    def step_time(self, prefill: Sequence[tuple[int, int]], num_decode: int, decode_kv_tokens: int) -> float:
+        tokens = sum(n for n, _ in prefill) + num_decode
+        return 0.010 + 1e-5 * tokens + self.att * decode_kv_tokens + 1e-9 * sum(n * h for n, h in prefill)
+
+
+def test_each_prefill_token_is_priced_at_a_full_chunk_times_bs_plus_one_times_kv_demand() -> None:
+    views = [
+        InstanceView(index=0, running=2, decode_blocks=100, kv_capacity_blocks=1000, max_batched_tokens=4096),
+        InstanceView(index=1, running=0, kv_capacity_blocks=1000, max_batched_tokens=4096),
+    ]
+    r = RequestView(prompt_tokens=1000, cached_tokens=(0, 800), block_size=16)
+    d = LMetricTime(LinearCost()).choose(r, views)
+    # instance 0: chunk = 4094, p = 1000, h̄ = 500, ctx = 1600 tokens:
+    #   step = 0.010 + 1e-5·(4094 + 2) + 1e-7·1600 + 1e-9·4094·500 = 0.053167, × 1000 / 4094
+    #   × (BS + 1 = 3) × K = 1000 / 900
+    # instance 1: chunk = 4096, p = 200, h̄ = 900: step = 0.010 + 0.04096 + 1e-9·4096·900 = 0.0546464,
+    #   × 200 / 4096, × 1 × 1
+    s0 = (0.010 + 1e-5 * 4096 + 1e-7 * 1600 + 1e-9 * 4094 * 500) * 1000 / 4094 * 3 * 1000 / 900
+    s1 = (0.010 + 1e-5 * 4096 + 1e-9 * 4096 * 900) * 200 / 4096
+    assert d.scores == pytest.approx((s0, s1))
+    assert s0 == pytest.approx(0.053167 * 1000 / 4094 * 3 / 0.9, rel=1e-4)
+    assert d.choice == 1 and d.policy == "lmetric-time"
+
+
+def test_the_queue_is_priced_without_history_and_the_request_with_its_own() -> None:
+    v = InstanceView(index=0, queued_prefill_tokens=1500, max_batched_tokens=1000)
+    r = RequestView(prompt_tokens=3000, cached_tokens=(0,), block_size=16)
+    t_wait, t_own = LMetricTime(LinearCost()).times(r, v, 0)
+    # chunk = 1000; queue: 1.5 chunks of (0.010 + 0.010) s; own: 3 chunks of 0.010 + 0.010 + 1e-9·1000·1500
+    assert t_wait == pytest.approx(1.5 * 0.020)
+    assert t_own == pytest.approx(3 * 0.0215)
+
+
+def test_context_weighted_decode_flips_the_choice_lmetric_makes() -> None:
+    # instance 0: 4 sequences holding 80k tokens of context; instance 1: 6 short ones
+    views = [
+        InstanceView(index=0, running=4, decode_blocks=5000, max_batched_tokens=4096),
+        InstanceView(index=1, running=6, decode_blocks=100, max_batched_tokens=4096),
+    ]
+    r = RequestView(prompt_tokens=2000, cached_tokens=(0, 0), block_size=16)
+    assert make_policy("lmetric").choose(r, views).choice == 0  # 2000 × 5 < 2000 × 7
+    d = LMetricTime(LinearCost(att=5e-7), kv="off").choose(r, views)
+    # 0: chunk 4092: (0.010 + 0.04096 + 5e-7·80000 + 1e-9·4092·1000) × 2000/4092 × 5
+    # 1: chunk 4090: (0.010 + 0.04096 + 5e-7·1600 + 1e-9·4090·1000) × 2000/4090 × 7
+    s0 = (0.010 + 0.04096 + 0.04 + 4092e-6) * 2000 / 4092 * 5
+    s1 = (0.010 + 0.04096 + 0.0008 + 4090e-6) * 2000 / 4090 * 7
+    assert d.scores == pytest.approx((s0, s1))
+    assert s0 > s1 and d.choice == 1
+
+
+def test_queued_prefill_counts_as_kv_demand() -> None:
+    views = [
+        InstanceView(index=0, running=1, decode_blocks=100, kv_capacity_blocks=500, max_batched_tokens=4096),
+        # the same held blocks, plus 6,400 queued tokens = 400 blocks more: 500 / (500 − 500) → overcommitted
+        InstanceView(
+            index=1,
+            running=1,
+            decode_blocks=100,
+            queued_prefill_tokens=6400,
+            kv_capacity_blocks=500,
+            max_batched_tokens=4096,
+        ),
+    ]
+    r = RequestView(prompt_tokens=100, cached_tokens=(0, 0), block_size=16)
+    policy = LMetricTime(LinearCost())
+    assert policy.factor(r, views[0]) == pytest.approx(500 / 400)
+    assert policy.factor(r, views[1]) == pytest.approx(500 * 2.0)  # U = C: free 0 → C × 2
+    assert LMetricTime(LinearCost(), kv="held").factor(r, views[1]) == pytest.approx(500 / 400)
+    assert LMetricTime(LinearCost(), kv="off").factor(r, views[1]) == 1.0
+    assert policy.choose(r, views).choice == 0
+
+
+def test_kv_demand_factor_edges() -> None:
+    assert kv_demand_factor(0, 123.0) == 1.0  # capacity unknown
+    assert kv_demand_factor(100, 0.0) == 1.0
+    assert kv_demand_factor(100, 50.0) == 2.0
+    assert kv_demand_factor(100, 99.0) == 100.0  # one block free
+    assert kv_demand_factor(100, 100.0) == 200.0  # continuous growth past capacity
+    assert kv_demand_factor(100, 120.0) == 2200.0
+    factors = [kv_demand_factor(100, u) for u in (0, 50, 90, 98.5, 99, 99.5, 100, 150)]
+    assert factors == sorted(factors)  # monotone in demand
+
+
+def test_ties_go_to_lower_bs_then_index() -> None:
+    views = [InstanceView(index=3), InstanceView(index=1)]
+    r = RequestView(prompt_tokens=64, cached_tokens=(0, 0), block_size=16)
+    assert LMetricTime(LinearCost()).choose(r, views).choice == 1
+
+
+def test_registry_entry_and_the_default() -> None:
+    assert DEFAULT_POLICY == "lmetric-time"
+    p = make_policy("lmetric-time")
+    assert p.name == "lmetric-time"
+    assert make_policy("lmetric-time:held").name == "lmetric-time:held"
+    with pytest.raises(UserError, match="must be one of"):
+        make_policy("lmetric-time:lots")
+    # the registry's policy uses the default profile's cost model: a long shared context is cheaper
+    # to prefill where it is cached
+    views = [InstanceView(index=0, max_batched_tokens=4096), InstanceView(index=1, max_batched_tokens=4096)]
+    r = RequestView(prompt_tokens=20_000, cached_tokens=(0, 19_968), block_size=16)
+    assert p.choose(r, views).choice == 1
+
+
+def test_request_classes_reweight_bs_in_the_time_score() -> None:
+    from kvroute.features.classes import ClassConfig
+    from kvroute.features.settings import FeatureConfig
+    from kvroute.routing.guarded import Guarded
+
+    views = [
+        InstanceView(index=0, running=3, max_batched_tokens=4096),
+        InstanceView(index=1, running=0, max_batched_tokens=4096),
+    ]
+    r = RequestView(prompt_tokens=1000, cached_tokens=(960, 0), block_size=16, req_class="ttft")
+    g = Guarded(LMetricTime(LinearCost(), kv="off"), FeatureConfig(classes=ClassConfig()))
+    d = g.choose(r, views)
+    # 0: chunk 4093, p = 40, h̄ = 980: (0.010 + 0.04096 + 1e-9·4093·980) × 40/4093, × 4 ** 0.5 (ttft)
+    # 1: chunk 4096, p = 1000, h̄ = 500: (0.010 + 0.04096 + 1e-9·4096·500) × 1000/4096, × 1
+    t0 = (0.010 + 0.04096 + 4093 * 980e-9) * 40 / 4093
+    t1 = (0.010 + 0.04096 + 4096 * 500e-9) * 1000 / 4096
+    assert d.scores == pytest.approx((t0 * 2.0, t1))
+    assert d.choice == 0 and g.counts["class:ttft"] == 1
+    # the tpot class (w = 2) weighs the 3 running sequences harder: (3 + 1) ** 2 = 16
+    tpot = g.choose(dataclass_replace(r, req_class="tpot"), views)
+    assert tpot.scores == pytest.approx((t0 * 16.0, t1)) and tpot.choice == 0

@@ -36,7 +36,7 @@ def test_no_page_mentions_an_issue_number(page: Path) -> None:
 
 
 def test_readme_names_the_default_policy() -> None:
-    assert f"The default policy (`{DEFAULT_POLICY}`)" in README.read_text()
+    assert f"The default policy, `{DEFAULT_POLICY}`," in README.read_text()
 
 
 def test_readme_links_point_at_committed_files() -> None:

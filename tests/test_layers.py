@@ -127,7 +127,9 @@ SERVER_ALLOWED: dict[str, set[str]] = {
     "stages": {"observe", "state", "wire", "config"},
     "pipeline": {"stages", "observe", "state", "wire", "config"},
     "app": {"pipeline", "stages", "observe", "sync", "state", "wire", "config"},
-    "pd": {"observe", "sync", "state", "wire", "config"},
+    "pd": {"stages", "observe", "sync", "state", "wire", "config"},
+    # a front door over the same stages, fed by Envoy's ext_proc (it runs the router's app and loop)
+    "extproc": {"app", "run", "pipeline", "stages", "observe", "sync", "state", "wire", "config", "cluster"},
     "cluster": {"config"},
     "run": {"app", "sync", "state", "wire", "config"},
     "workers": {"run", "app", "sync", "state", "wire", "config"},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import socket
@@ -35,11 +36,13 @@ async def test_up_with_envoy_serves_openai_bench_and_dashboard(tmp_path: Path) -
     port = free_port()
     argv = [sys.executable, "-m", "kvroute.cli", "up", "--instances", "2", "--port", str(port)]
     argv += ["--gateway", "envoy", "--explain", "--drain-grace", "0", "--time-scale", "20"]
+    token = "gateway-test-token"  # up prints a token it made only to a terminal: give it one
     proc = await asyncio.create_subprocess_exec(
         *argv,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         stdin=asyncio.subprocess.DEVNULL,
+        env={**os.environ, "KVROUTE_ADMIN_TOKEN": token},
     )
     assert proc.stdout is not None and proc.stderr is not None
     try:
@@ -51,7 +54,7 @@ async def test_up_with_envoy_serves_openai_bench_and_dashboard(tmp_path: Path) -
         assert b"envoy http://127.0.0.1:" in err and b"kvroute epp" in err
         page = re.search(rb"dashboard: (\S+)", err)
         assert page is not None
-        dash, _, token = page.group(1).decode().partition("#token=")
+        dash = page.group(1).decode().partition("#")[0]
         url = f"http://127.0.0.1:{port}"
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         try:

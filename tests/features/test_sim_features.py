@@ -18,7 +18,7 @@ from kvroute.features.hotspot import HotspotConfig
 from kvroute.features.limits import QuotaConfig
 from kvroute.features.monitor import ScoreMonitorConfig
 from kvroute.features.settings import FeatureConfig
-from kvroute.policies.registry import make_policy
+from kvroute.policies.registry import DEFAULT_POLICY, make_policy
 from kvroute.routing.guarded import Guarded
 from kvroute.sim.cluster import ClusterSim, SimConfig
 from kvroute.sim.runner import RunSpec, SimScenario, run_spec
@@ -136,7 +136,7 @@ def test_spot_and_p_token_cap_flags_reach_the_simulator(tmp_path: Path) -> None:
     )  # fmt: skip
     assert rc == 0
     out = json.loads(out_file.read_text())
-    assert out["policy"] == "lmetric+limits"
+    assert out["policy"] == f"{DEFAULT_POLICY}+limits"
     assert out["features"]["spot_excluded"] > 0 and out["features"]["p_token_capped"] > 0
     assert "--spot-instances 2" in out["command"] and "--p-token-cap 4000" in out["command"]
 

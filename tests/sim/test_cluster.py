@@ -12,7 +12,7 @@ from kvroute.cli import main
 from kvroute.commands.settings import sim_command
 from kvroute.engine.cost import get_profile
 from kvroute.engine.host import EngineHost
-from kvroute.policies.registry import make_policy
+from kvroute.policies.registry import DEFAULT_POLICY, make_policy
 from kvroute.sim.cluster import ClusterSim, SimConfig
 from kvroute.sim.loop import EventLoop
 from kvroute.sim.runner import RunSpec, run_spec
@@ -110,7 +110,7 @@ def test_cli_writes_contract_json(tmp_path: Path, capsys: pytest.CaptureFixture[
     data = json.loads(out.read_text())
     assert set(data) >= CONTRACT_KEYS
     assert set(data["ttft_ms"]) == {"mean", "p50", "p90", "p99"}
-    assert "| lmetric |" in capsys.readouterr().out
+    assert f"| {DEFAULT_POLICY} |" in capsys.readouterr().out
 
 
 def test_cli_bad_trace_line_names_file_and_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

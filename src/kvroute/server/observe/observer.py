@@ -62,12 +62,12 @@ from kvroute.routing.shadow import ShadowPick, Shadows
 from kvroute.server.observe.decisions import DecisionLog, DecisionRecord
 from kvroute.server.observe.tracing import Tracing
 from kvroute.server.state.router import RouterState
+from kvroute.server.wire.http import REQUEST_ID_HEADER
 
 __all__ = ["EXPLAIN_HEADER", "REQUEST_ID_HEADER", "Observer", "request_id"]
 
 log = logging.getLogger("kvroute.server")
 
-REQUEST_ID_HEADER = "x-request-id"
 EXPLAIN_HEADER = "x-kvroute-explain"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 

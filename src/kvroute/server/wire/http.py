@@ -6,13 +6,17 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
-from kvroute.server.observe.observer import REQUEST_ID_HEADER
 from kvroute.server.wire.validate import ApiError, error_body
+
+REQUEST_ID_HEADER = "x-request-id"
+"""The request-id header (lower-case): the router's own id for every request goes upstream and back
+under it (:mod:`kvroute.server.observe.observer` decides the id)."""
 
 __all__ = [
     "EXPECT_ONLY",
     "HOP_BY_HOP",
     "JSON",
+    "REQUEST_ID_HEADER",
     "error_response",
     "extract_cached_tokens",
     "forward_headers",

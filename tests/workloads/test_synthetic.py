@@ -236,3 +236,37 @@ def test_hotspot_trace_shape() -> None:
     assert 20 <= outputs[len(outputs) // 2] <= 40
     hot_new = sorted(r.prompt_len - 12 * 512 for r in hot)
     assert 100 < hot_new[len(hot_new) // 2] < 600  # a hit costs a few hundred tokens, a miss 6k more
+
+
+def test_longchat_opens_with_a_long_document_then_short_turns() -> None:
+    """Long-context conversations: the first turn carries a pasted document (mean ~12 k tokens, some
+    past 30 k), later turns add a few hundred tokens to that history, and no prompt exceeds 128 k."""
+    by_session: dict[int, list[Request]] = defaultdict(list)
+    reqs = take("longchat", 3000, seed=5)
+    for r in reqs:
+        by_session[r.session].append(r)
+    firsts = [turns[0].prompt_len for turns in by_session.values()]
+    assert 8_000 < sum(firsts) / len(firsts) < 18_000
+    assert any(p > 30_000 for p in firsts) and max(r.prompt_len for r in reqs) < 131_072
+    steps = [
+        b.prompt_len - a.prompt_len for turns in by_session.values() for a, b in itertools.pairwise(turns)
+    ]
+    assert len(steps) > 1000
+    assert 100 < sorted(steps)[len(steps) // 2] < 1000  # a question plus the previous answer
+    # each later turn extends its conversation's blocks: the whole history is a reusable prefix
+    assert all(
+        b.block_ids[: len(a.block_ids)] == a.block_ids
+        for turns in by_session.values()
+        for a, b in itertools.pairwise(turns)
+    )
+
+
+def test_first_message_default_leaves_chatbot_unchanged() -> None:
+    """``first_msg_mean`` = 0 draws nothing more: the chatbot stream is the one it always was."""
+    a = list(itertools.islice(ChatbotConfig().requests(7), 500))
+    b = list(itertools.islice(ChatbotConfig(first_msg_mean=0.0).requests(7), 500))
+    assert a == b
+    longer = list(itertools.islice(ChatbotConfig(first_msg_mean=5000.0).requests(7), 500))
+    assert sum(r.prompt_len for r in longer) > 2 * sum(r.prompt_len for r in a)
+    with pytest.raises(UserError, match="first_msg_mean"):
+        ChatbotConfig(first_msg_mean=-1.0).requests(0)

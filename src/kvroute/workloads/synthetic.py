@@ -44,6 +44,7 @@ __all__ = [
     "CoderConfig",
     "HotPrefixConfig",
     "HotTraceConfig",
+    "LongChatConfig",
     "MixedConfig",
     "WorkloadConfig",
     "make_workload",
@@ -202,11 +203,17 @@ class ChatbotConfig(WorkloadConfig):
     # Open-loop estimate of a response's duration (seconds): ttft + output_len * tpot (see module doc).
     ttft_est_s: float = _TTFT_EST_S
     tpot_est_s: float = _TPOT_EST_S
+    # The first user message (tokens, lognormal mean / sigma); 0: like every other turn's. A document,
+    # a code file or a transcript pasted to open a conversation (``longchat``).
+    first_msg_mean: float = 0.0
+    first_msg_sigma: float = 1.0
 
     def requests(self, seed: int) -> Iterator[Request]:
         _check_common(self)
         if self.users < 1 or self.system_prompts < 1 or self.mean_turns < 1 or self.max_turns < 1:
-            raise UserError("chatbot: users, system_prompts, mean_turns and max_turns must be >= 1")
+            raise UserError(f"{self.name}: users, system_prompts, mean_turns and max_turns must be >= 1")
+        if self.first_msg_mean < 0:
+            raise UserError(f"{self.name}: first_msg_mean must be >= 0")
         return _chatbot(self, random.Random(seed))
 
 
@@ -233,6 +240,33 @@ class MultiTurnConfig(ChatbotConfig):
     mean_turns: float = 8.0
     # Short answers (~32 tokens): prefill, not decode, decides the load; light on HTTP streaming.
     output_mean: float = 32.0
+
+
+@dataclass(frozen=True)
+class LongChatConfig(ChatbotConfig):
+    """Long-context conversations: each opens with a long pasted document (lognormal, mean 12 k tokens,
+    up to the 128 k context), then short questions about it with short answers, so every turn re-reads
+    a long, growing history. Modelled on the shape of Mooncake's conversation trace (a mean prompt of
+    13–15 k tokens, up to ~120 k, 39 % of requests repeating more than the shared first block). Here a
+    router must weigh where a conversation's history is cached against what the instances already
+    hold: a few long decodes cost a step as much as many short ones."""
+
+    name: ClassVar[str] = "longchat"
+    description: ClassVar[str] = (
+        "conversations that open with a long document (mean 12k tokens, up to 128k) and go on with short "
+        "questions and answers about it"
+    )
+    users: int = 64
+    system_prompt_tokens_min: int = 64
+    system_prompt_tokens_max: int = 512
+    first_msg_mean: float = 12000.0
+    first_msg_sigma: float = 1.0
+    user_msg_mean: float = 200.0
+    think_time_mean_s: float = 10.0
+    mean_turns: float = 6.0
+    output_mean: float = 120.0
+    # Qwen3's 32 k native context extended 4× with YaRN, as Qwen documents for long inputs.
+    max_context_tokens: int = 131072
 
 
 @dataclass(frozen=True)
@@ -404,6 +438,7 @@ class _Conversation:
     session: int
     context: _Context
     turns_left: int
+    opened: bool = False  # its first user message has been asked
 
 
 def _chatbot(cfg: ChatbotConfig, rng: random.Random) -> Iterator[Request]:
@@ -438,9 +473,12 @@ def _chatbot(cfg: ChatbotConfig, rng: random.Random) -> Iterator[Request]:
             continue
         t, _, conv = heapq.heappop(heap)
         ctx = conv.context
-        ctx.extend(
-            _lognormal_int(rng, cfg.user_msg_mean, cfg.user_msg_sigma, 1, cfg.max_context_tokens), alloc
+        first = cfg.first_msg_mean > 0 and not conv.opened
+        conv.opened = True
+        mean, sigma = (
+            (cfg.first_msg_mean, cfg.first_msg_sigma) if first else (cfg.user_msg_mean, cfg.user_msg_sigma)
         )
+        ctx.extend(_lognormal_int(rng, mean, sigma, 1, cfg.max_context_tokens), alloc)
         if ctx.tokens >= cfg.max_context_tokens:
             continue  # the conversation no longer fits: it ends (a new one replaces it over time)
         out = _lognormal_int(rng, cfg.output_mean, cfg.output_sigma, 1, cfg.output_max)
@@ -790,6 +828,7 @@ WORKLOADS: dict[str, type[WorkloadConfig]] = {
         CoderConfig,
         ApiConfig,
         AgentConfig,
+        LongChatConfig,
         HotPrefixConfig,
         HotTraceConfig,
         MixedConfig,

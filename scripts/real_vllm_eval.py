@@ -216,6 +216,53 @@ def explain(recs: list[dict[str, Any]], log: EventLog, engines: int, ebs: int) -
     return {"classes": dict(out), "view_differs": router_off[:20]}
 
 
+async def chat_conversations(
+    url: str, procs: list[VllmProcess], tok: Any, model: str, run: int, convs: int, turns: int
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``convs`` chat conversations at once, ``turns`` turns each, every turn sent as soon as the
+    last reply came (each carrying the replies as vLLM gave them); every third conversation shares a
+    system prompt, odd ones carry a ``cache_salt`` of their own. Records and :func:`explain`'s account."""
+    out: list[dict[str, Any]] = []
+    log = EventLog([p.endpoint.kv_events for p in procs])
+    await asyncio.sleep(0.5)
+    headers = {"content-type": "application/json"}
+
+    async def conversation(http: aiohttp.ClientSession, c: int) -> None:
+        history = [{"role": "system", "content": words(run * 1000 + c % 3, 60)}]
+        salt = f"c{run}-{c}" if c % 2 else None
+        await asyncio.sleep(c * 0.2)
+        for t in range(turns):
+            history.append({"role": "user", "content": words(run * 1000 + 100 + c * 50 + t, 40)})
+            body: dict[str, Any] = {"model": model, "messages": history, "max_tokens": 16, "temperature": 0}
+            if salt is not None:
+                body["cache_salt"] = salt
+            rec: dict[str, Any] = {"ok": False, "salt": salt, "ids": tok.encode_chat(history)}
+            rec["t_send"] = time.monotonic()
+            async with http.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers) as r:
+                data = await r.json(content_type=None)
+                rec["backend"] = r.headers.get("x-kvroute-backend", "")
+                rec["predicted"] = int(r.headers.get("x-kvroute-cached-tokens", "-1"))
+            out.append(rec)
+            if r.status != 200:
+                return
+            usage = data["usage"]
+            rec |= {
+                "ok": True,
+                "cached": int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+            }
+            rec["prompt"] = usage["prompt_tokens"]
+            history.append({"role": "assistant", "content": data["choices"][0]["message"]["content"] or "ok"})
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+        await asyncio.gather(*(conversation(http, c) for c in range(convs)))
+    await asyncio.sleep(1.0)
+    await log.close()
+    urls = [p.url for p in procs]
+    for rec in out:
+        rec["engine"] = urls.index(rec["backend"]) if rec.get("backend") in urls else -1
+    return out, explain(out, log, len(procs), procs[0].settings.block_size or 128)
+
+
 def api_cpu_rate(procs: list[VllmProcess], seconds: float) -> list[float]:
     """CPU seconds per second of each API server over the next ``seconds``."""
     before = [cpu_seconds(p.proc.pid) for p in procs]
@@ -407,6 +454,12 @@ def main(argv: list[str] | None = None) -> int:
         "--kv-blocks", type=int, default=0, help="KV blocks per engine (default: 16,384 tokens' worth)"
     )
     ap.add_argument(
+        "--chat",
+        default="12x8",
+        metavar="CONVSxTURNS",
+        help="the concurrent multi-turn chat case, per router source (default 12x8; 0 to skip)",
+    )
+    ap.add_argument(
         "--policies", default=",".join(POLICIES), help=f"comma-separated (default {','.join(POLICIES)})"
     )
     ap.add_argument(
@@ -561,6 +614,36 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
                 run += 1
+        # concurrent multi-turn chats over both engines (round-robin: both serve), each source in turn
+        result["chat"] = []
+        convs, _, turns = args.chat.partition("x")
+        for label, src in sources if int(convs) > 0 else ():
+            log = logs / f"router-chat-{label}.log"
+            router, url = start_router(procs, "round-robin", model, log, src)
+            try:
+                time.sleep(2.0)
+                recs, why = asyncio.run(
+                    chat_conversations(url, procs, tok, "tiny", run, int(convs), int(turns or 8))
+                )
+            finally:
+                stop(router)
+            run += 1
+            ok = [r for r in recs if r["ok"]]
+            off = Counter(r["predicted"] - r["cached"] for r in ok)
+            result["chat"].append(
+                {
+                    "router": label,
+                    "conversations": int(convs),
+                    "turns": int(turns or 8),
+                    "requests": len(recs),
+                    "ok": len(ok),
+                    "salted_requests": sum(1 for r in ok if r.get("salt")),
+                    "pred_minus_real": {str(k): v for k, v in sorted(off.items())},
+                    "why": why,
+                }
+            )
+            write(result, args.out, argv)
+            print(json.dumps({"chat": result["chat"][-1]}), flush=True)
         # the salted chat on engine 0 alone, each router source in turn
         result["salted_chat"] = []
         for label, src in sources:
@@ -603,6 +686,7 @@ def write(result: dict[str, Any], out_path: str, argv: list[str] | None) -> None
         render(
             result,
             " ".join(["python", "scripts/real_vllm_eval.py", *(argv if argv is not None else sys.argv[1:])]),
+            out.with_suffix(".json").name,
         )
     )
 
@@ -612,11 +696,11 @@ def procs_index(procs: list[VllmProcess], url: str) -> int:
     return urls.index(url) if url in urls else -1
 
 
-def render(r: dict[str, Any], command: str) -> str:
+def render(r: dict[str, Any], command: str, json_name: str = "real-vllm.json") -> str:
     lines = [
         "# kvroute in front of real vLLM (CPU build)",
         "",
-        f"Command: `{command}` (written by it; the numbers are in `real-vllm.json`).",
+        f"Command: `{command}` (written by it; the numbers are in `{json_name}`).",
         "",
         f"- Machine: {r['machine']}; 1-minute load average {r['load_avg_1m_before']:.1f} before, "
         f"{r['load_avg_1m_after']:.1f} after (other agents' jobs share the cores).",
@@ -654,6 +738,18 @@ def render(r: dict[str, Any], command: str) -> str:
             f"| {row['round']} | {row['policy']} | {row.get('router', 'this')} | {row['salted_requests']} | {c.get('exact', 0)} | "
             f"{c.get('vllm_after_decision', 0)} | {c.get('view_differs_from_events', 0)} |"
         )
+    for ch in r.get("chat", []):
+        c = ch["why"]["classes"]
+        diffs = ", ".join(f"{k}: {v}" for k, v in ch["pred_minus_real"].items()).replace("-", "−")
+        lines += [
+            "",
+            f"Concurrent multi-turn chat, router `{ch['router']}` (`round-robin` over both engines; "
+            f"{ch['conversations']} conversations of {ch['turns']} turns at once, each turn sent when the last reply came, every third sharing a system "
+            f"prompt, {ch['salted_requests']} salted requests): {ch['ok']}/{ch['requests']} answered; predicted − "
+            f"served (tokens: count) {diffs}; exact {c.get('exact', 0)}, = events before but vLLM changed "
+            f"after the decision {c.get('vllm_after_decision', 0)}, ≠ events before (the router's) "
+            f"{c.get('view_differs_from_events', 0)}.",
+        ]
     for sc in r.get("salted_chat", []):
         diffs = ", ".join(f"{k}: {v}" for k, v in sc["pred_minus_real"].items()).replace("-", "−")
         served = ", ".join(f"{k}: {v}" for k, v in sc["served"].items())

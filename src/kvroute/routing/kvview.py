@@ -30,7 +30,7 @@ the same methods, so the simulator simulates what the router sees.
   carries the re-rendered reply instead; two chats under one ``cache_salt`` or system prompt whose
   first engine blocks share only their leading tokens) both complete the shared router blocks, and
   the eviction of one must not drop what the other still holds (seen on vLLM 0.32 with 128-token
-  engine blocks and 16-token router blocks: predicted 0 or 256 cached tokens, served 640 to 1,408).
+  engine blocks and 16-token router blocks: predicted 0 or 256 cached tokens, served 640 to 2,176).
   With ``rehash=False`` the engine's block hashes *are* the router's (the simulator's engines hash
   with the workload's block ids, as traces carry them) and are stored as they are.
 - **Recovering**: after a sequence gap that replay could not fill, the backend's exact entries are

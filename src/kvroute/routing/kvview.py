@@ -24,6 +24,13 @@ the same methods, so the simulator simulates what the router sees.
   **re-blocked**: each engine block keeps the router hash of the last full router block before its
   end and the tokens after it, and stores the router blocks it completes; its ``BlockRemoved``
   removes those (engines evict a prefix's last blocks first, so the blocks before stay cached).
+  **A router block is held while any engine block holds it** (a count per router hash and backend):
+  two engine blocks that differ only after their first router blocks (a conversation's turn whose
+  last engine block was completed by generated tokens, and the next turn's prompt, whose same block
+  carries the re-rendered reply instead; two chats under one ``cache_salt`` or system prompt whose
+  first engine blocks share only their leading tokens) both complete the shared router blocks, and
+  the eviction of one must not drop what the other still holds (seen on vLLM 0.32 with 128-token
+  engine blocks and 16-token router blocks: predicted 0 or 256 cached tokens, served 640 to 2,176).
   With ``rehash=False`` the engine's block hashes *are* the router's (the simulator's engines hash
   with the workload's block ids, as traces carry them) and are stored as they are.
 - **Recovering**: after a sequence gap that replay could not fill, the backend's exact entries are
@@ -108,6 +115,9 @@ class KVView:
         # engine hash -> copies beyond the first: vLLM's block pool may cache one hash in several blocks
         # (BlockStored for each) and sends BlockRemoved for each copy it evicts, while others stay
         self._copies: dict[int, dict[int, int]] = {}
+        # router hash -> how many distinct engine hashes (in ``_hash_maps`` or ``_pages``) hold it;
+        # a router block leaves the exact index when this reaches 0
+        self._refs: dict[int, dict[int, int]] = {}
         self._recover_until: dict[int, float] = {}
         self._removed: set[int] = set()  # backends gone for good (indices are never reused)
         self._last_now = float("-inf")
@@ -179,6 +189,7 @@ class KVView:
         self._hash_maps.pop(backend, None)
         self._pages.pop(backend, None)
         self._copies.pop(backend, None)
+        self._refs.pop(backend, None)
         self._recover_until.pop(backend, None)
         self.engine_blocks.pop(backend, None)
         self._removed.add(backend)
@@ -198,6 +209,7 @@ class KVView:
             self._hash_maps.pop(backend, None)
             self._pages.pop(backend, None)
             self._copies.pop(backend, None)
+            self._refs.pop(backend, None)
             self._recover_until.pop(backend, None)
 
     def match(self, chain: Sequence[int], now: float) -> list[int]:
@@ -297,6 +309,7 @@ class KVView:
         self._hash_maps.setdefault(backend, {}).clear()
         self._pages.pop(backend, None)
         self._copies.pop(backend, None)
+        self._refs.pop(backend, None)
         self._recover_until[backend] = now + self.recovery_s
 
     def apply_events(self, backend: int, events: Sequence[KVEvent]) -> None:
@@ -320,12 +333,13 @@ class KVView:
                         if page is not None:
                             ours.extend(page[2])
                 if ours:
-                    self.exact.remove(backend, ours)
+                    self.exact.remove(backend, self._released(backend, ours))
             elif isinstance(ev, AllBlocksCleared):
                 self.exact.clear(backend)
                 hmap.clear()
                 self._pages.pop(backend, None)
                 self._copies.pop(backend, None)
+                self._refs.pop(backend, None)
                 if self.on_cleared is not None:
                     self.on_cleared(backend)
 
@@ -336,6 +350,25 @@ class KVView:
             if eh in hmap or (pages is not None and eh in pages):
                 copies = self._copies.setdefault(backend, {})
                 copies[eh] = copies.get(eh, 0) + 1
+
+    def _held(self, backend: int, ours: Sequence[int]) -> None:
+        """One more engine block (a new engine hash, not a copy) holds each router block of ``ours``."""
+        refs = self._refs.setdefault(backend, {})
+        for h in ours:
+            refs[h] = refs.get(h, 0) + 1
+
+    def _released(self, backend: int, ours: Sequence[int]) -> list[int]:
+        """An engine block holding ``ours`` is gone: the router blocks no engine block holds any more."""
+        refs = self._refs.get(backend, {})
+        free = []
+        for h in ours:
+            n = refs.get(h, 0) - 1
+            if n > 0:
+                refs[h] = n
+            else:
+                refs.pop(h, None)
+                free.append(h)
+        return free
 
     def _last_copies(self, backend: int, hashes: Sequence[int]) -> Sequence[int]:
         """The engine hashes of a BlockRemoved whose last copy went (the others: one copy less)."""
@@ -389,6 +422,9 @@ class KVView:
                 parent, start = ours[-1], end
         else:
             ours = hash_blocks(ev.token_ids, bs, keys, parent=parent)
+        new = [oh for eh, oh in zip(ev.block_hashes, ours, strict=True) if eh not in hmap]
+        if new:
+            self._held(backend, new)
         for eh, oh in zip(ev.block_hashes, ours, strict=True):
             hmap[eh] = oh
         self.exact.store(backend, ours)
@@ -417,6 +453,8 @@ class KVView:
                 parent = done[-1]
                 stored.extend(done)
             tail = tokens[full * bs :]
+            if done and eh not in pages:  # a copy of a held engine block holds nothing more
+                self._held(backend, done)
             pages[eh] = (parent, tail, done)
         if stored:
             self.exact.store(backend, stored)

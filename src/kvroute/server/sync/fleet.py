@@ -25,8 +25,9 @@
 - **Drain, then remove**: a draining backend takes no new requests; :meth:`Fleet.reap` (every
   ``REAP_INTERVAL_S`` while the loops run, and at once after a drain) removes the ones marked for
   removal whose LoadTable row of this process is zero (``BackendState.idle``), stopping their KV event
-  subscriber. A backend drained through the admin API's ``/drain`` stays draining (and listed) until
-  deleted or undrained.
+  subscriber and, through ``on_removed`` (the router's transport's ``forget``), closing its pooled
+  upstream connections: nothing a removed backend held stays open. A backend drained through the
+  admin API's ``/drain`` stays draining (and listed) until deleted or undrained.
 
 All of it runs on the router's event loop; nothing here blocks.
 """
@@ -36,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,12 +84,21 @@ class Changes:
 
 class Fleet:
     """Membership of ``core``'s backends (module docstring). ``subscribers`` is the live list of KV
-    event subscribers (the exporter reads it). Loops and subscribers run only after :meth:`start`."""
+    event subscribers (the exporter reads it). ``on_removed(url)`` is called once a backend is
+    removed (the transport then closes its connections). Loops and subscribers run only after
+    :meth:`start`."""
 
-    def __init__(self, core: RouterState, monitor: Monitor, subscribers: list[EventSubscriber]) -> None:
+    def __init__(
+        self,
+        core: RouterState,
+        monitor: Monitor,
+        subscribers: list[EventSubscriber],
+        on_removed: Callable[[str], None] | None = None,
+    ) -> None:
         self.state = core
         self.monitor = monitor
         self.subscribers = subscribers
+        self.on_removed = on_removed
         self.sources: dict[str, tuple[BackendSpec, ...]] = {STATIC: tuple(core.config.backends), ADMIN: ()}
         self.running = False
         self._zmq: zmq.asyncio.Context | None = None
@@ -260,6 +270,8 @@ class Fleet:
                 self._removing.discard(index)
                 self._unsubscribe(index)
                 self.state.remove_backend(index)
+                if self.on_removed is not None:
+                    self.on_removed(b.url)
                 log.warning("removed backend %s (drained)", b.url)
                 done.append(b)
         return done

@@ -25,8 +25,9 @@
 - **Drain, then remove**: a draining backend takes no new requests; :meth:`Fleet.reap` (every
   ``REAP_INTERVAL_S`` while the loops run, and at once after a drain) removes the ones marked for
   removal whose LoadTable row of this process is zero (``BackendState.idle``), stopping their KV event
-  subscriber and, through ``on_removed`` (the router's transport's ``forget``), closing its pooled
-  upstream connections: nothing a removed backend held stays open. A backend drained through the
+  subscriber; and each time, ``prune_upstream`` (the router's transport's ``prune``) is given the URLs
+  listed now, so the pooled upstream connections of a removed backend are closed, also those a health
+  check or scrape begun before the removal opened after it: nothing a removed backend held stays open. A backend drained through the
   admin API's ``/drain`` stays draining (and listed) until deleted or undrained.
 
 All of it runs on the router's event loop; nothing here blocks.
@@ -84,21 +85,21 @@ class Changes:
 
 class Fleet:
     """Membership of ``core``'s backends (module docstring). ``subscribers`` is the live list of KV
-    event subscribers (the exporter reads it). ``on_removed(url)`` is called once a backend is
-    removed (the transport then closes its connections). Loops and subscribers run only after
-    :meth:`start`."""
+    event subscribers (the exporter reads it). ``prune_upstream(urls)``: the transport keeps
+    connections to ``urls`` (the listed backends' URLs) only, called at each :meth:`reap`. Loops and
+    subscribers run only after :meth:`start`."""
 
     def __init__(
         self,
         core: RouterState,
         monitor: Monitor,
         subscribers: list[EventSubscriber],
-        on_removed: Callable[[str], None] | None = None,
+        prune_upstream: Callable[[set[str]], None] | None = None,
     ) -> None:
         self.state = core
         self.monitor = monitor
         self.subscribers = subscribers
-        self.on_removed = on_removed
+        self.prune_upstream = prune_upstream
         self.sources: dict[str, tuple[BackendSpec, ...]] = {STATIC: tuple(core.config.backends), ADMIN: ()}
         self.running = False
         self._zmq: zmq.asyncio.Context | None = None
@@ -262,7 +263,8 @@ class Fleet:
         return self.state.reactivate_backend(index)
 
     def reap(self) -> list[BackendState]:
-        """Remove the backends marked for removal that are idle now; returns them."""
+        """Remove the backends marked for removal that are idle now (returns them); the transport
+        keeps connections to the listed backends only."""
         done = []
         for index in sorted(self._removing):
             b = self.state.backends[index]
@@ -270,10 +272,10 @@ class Fleet:
                 self._removing.discard(index)
                 self._unsubscribe(index)
                 self.state.remove_backend(index)
-                if self.on_removed is not None:
-                    self.on_removed(b.url)
                 log.warning("removed backend %s (drained)", b.url)
                 done.append(b)
+        if self.prune_upstream is not None:
+            self.prune_upstream({b.url for b in self.state.live_backends()})
         return done
 
     def removing(self, index: int) -> bool:

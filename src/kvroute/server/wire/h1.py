@@ -69,7 +69,7 @@ import contextlib
 import logging
 import select
 import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Collection, Mapping
 from urllib.parse import urlsplit
 
 import httptools
@@ -570,6 +570,13 @@ class H1Transport:
         pool = self._pools.pop(base_url, None)
         if pool is not None:
             pool.retire()
+
+    def prune(self, keep: Collection[str]) -> None:
+        """:meth:`forget` every base URL with a pool that is not in ``keep`` (the backends listed
+        now). Called again and again, it also catches a pool made for a removed backend after its
+        removal (a health check or scrape that began before it)."""
+        for url in [u for u in self._pools if u not in keep]:
+            self.forget(url)
 
     async def close(self) -> None:
         for pool in self._pools.values():

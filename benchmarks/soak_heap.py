@@ -129,8 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--requests", type=int, default=6000)
     parser.add_argument("--every", type=int, default=1000, help="requests between two snapshots")
+    default = RouterConfig(backends=()).tokenizer_cache_tokens
     parser.add_argument(
-        "--tokenizer-cache-tokens", type=int, default=200_000, help="the router's tokenizer_cache_tokens"
+        "--tokenizer-cache-tokens",
+        type=int,
+        default=default,
+        help=f"the router's tokenizer_cache_tokens (default {default:,}, the router's)",
     )
     args = parser.parse_args(argv)
     if args.every < 1 or args.requests < args.every:

@@ -10,8 +10,9 @@ Metric names (all prefixed ``kvroute_``): ``requests_total{outcome}``, ``retries
 ``x-request-id`` was another request's: see :mod:`kvroute.server.wire.h1`; :class:`StrayCollector`,
 which the P/D router registers too), ``upstream_connections{backend}`` (the transport's open
 connections to each backend, idle in its pool or carrying a request; a removed backend's series
-disappears with its connections). Each router owns its own ``CollectorRegistry``. The per-backend series cover active and draining
-backends (a draining one's in-flight gauges show its drain); a removed backend's series disappear.
+disappears with its connections). Each router owns its own ``CollectorRegistry``. The per-backend
+series cover active and draining backends (a draining one's in-flight gauges show its drain); a
+removed backend's series disappear.
 
 The ``backend_waiting``/``running``/``queued_prefill_tokens`` gauges are this machine's: summed over
 the rows of the in-flight table, i.e. over every worker of ``kvroute serve --workers N`` (not the load

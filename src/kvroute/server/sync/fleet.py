@@ -27,8 +27,9 @@
   removal whose LoadTable row of this process is zero (``BackendState.idle``), stopping their KV event
   subscriber; and each time, ``prune_upstream`` (the router's transport's ``prune``) is given the URLs
   listed now, so the pooled upstream connections of a removed backend are closed, also those a health
-  check or scrape begun before the removal opened after it: nothing a removed backend held stays open. A backend drained through the
-  admin API's ``/drain`` stays draining (and listed) until deleted or undrained.
+  check or scrape begun before the removal opened after it: nothing a removed backend held stays
+  open. A backend drained through the admin API's ``/drain`` stays draining (and listed) until
+  deleted or undrained.
 
 All of it runs on the router's event loop; nothing here blocks.
 """

@@ -34,9 +34,9 @@ Asserts (the exit status is 1 when one fails):
   on every engine (``vllm:num_requests_running``/``waiting``);
 - every router process's RSS under ``RSS_BOUND_MIB``;
 - nothing a router process holds open grows over the run: each process's descriptors at the end
-  (after the clients closed and ``QUIET_S`` seconds) at most ``FD_SLACK`` above its count at the start
-  (replica B's second life: at its restart), those but its pooled connections to the engines at most
-  ``OTHER_SLACK`` above, and none left to the deleted engine;
+  (after the clients closed and ``QUIET_S`` seconds), but its pooled connections to the engines, at
+  most ``OTHER_SLACK`` above its count at the start (replica B's second life: at its restart); its
+  pooled connections to each engine at most ``POOL_BOUND``; none left to the deleted engine;
 - RSS levels off: replica A's router processes grow less than ``RSS_SLOPE_BOUND_MIB`` per 1,000 of
   its requests over the second half of its requests.
 
@@ -83,11 +83,14 @@ GAP_S = 1.5  # seconds between two faults
 CONCURRENCY = 16
 RSS_BOUND_MIB = 400.0
 QUIET_S = 3.0  # seconds between the clients closing their connections and the last census
-FD_SLACK = CONCURRENCY + 2
-"""Descriptors a router process may hold at the end beyond its count at the start: the upstream
-pool keeps each connection it opened for reuse (up to ``max_idle`` per backend), and it opens one only
-when none is idle, so a worker's pool holds at most as many connections as it had requests in flight
-at once: at most the ``CONCURRENCY`` valid clients, the hostile one and the bad-input one."""
+POOL_BOUND = CONCURRENCY + 5
+"""Pooled connections a router process may hold to one engine at the end: the upstream pool keeps
+each connection it opened for reuse (up to ``max_idle`` per backend) and opens one only when none is
+idle, so it holds at most as many as the process once had in flight to that engine at the same
+time: the ``CONCURRENCY`` valid clients, the hostile one and the bad-input one, and its own health
+check, ``/metrics`` scrape and ``/v1/models`` read. They stay while the engine keeps them open (the
+emulated engine, aiohttp's server: 75 s idle; vLLM's uvicorn: 5 s), so they are bounded, not
+required to return to the start's count."""
 OTHER_SLACK = 2
 """Descriptors other than pooled connections to the engines (files, pipes, eventfds, unix sockets,
 ZMQ sockets, client connections after they closed) that a router process may hold at the end beyond
@@ -717,6 +720,7 @@ def fd_growth(phases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 "end": c1["fds"],
                 "growth": c1["fds"] - c0["fds"],
                 "growth_not_pooled": (c1["fds"] - pooled1) - (c0["fds"] - pooled0),
+                "pooled_end": {peer: n for peer, n in c1["by_peer"].items() if peer.startswith("engine")},
                 "sockets_start": c0["by_peer"],
                 "sockets_end": c1["by_peer"],
             }
@@ -816,8 +820,8 @@ def main(argv: list[str] | None = None) -> int:
         "a restarted replica swept the dead one's leftovers": soak.swept,
         "SIGHUP: the valid config applied, the broken one refused": reloads == (2, 2),
         f"at least {soak.requests} requests": len(res) >= soak.requests,
-        f"descriptors: each process's end at most {FD_SLACK} above its start": bool(growth)
-        and all(g["growth"] <= FD_SLACK for g in growth.values()),
+        f"descriptors: each process's pooled connections to one engine at most {POOL_BOUND}": bool(growth)
+        and all(n <= POOL_BOUND for g in growth.values() for n in g["pooled_end"].values()),
         f"descriptors but pooled upstream connections: at most {OTHER_SLACK} above the start": bool(growth)
         and all(g["growth_not_pooled"] <= OTHER_SLACK for g in growth.values()),
         "descriptors: none left to the deleted engine": bool(ends) and not to_deleted,
@@ -845,7 +849,7 @@ def main(argv: list[str] | None = None) -> int:
         "rss_peak_mib": round(rss_peak, 1),
         "rss_bound_mib": RSS_BOUND_MIB,
         "rss_peak_by_process": {k: round(v, 1) for k, v in sorted(soak.rss_peak.items())},
-        "fd_slack": FD_SLACK,
+        "pool_bound": POOL_BOUND,
         "other_slack": OTHER_SLACK,
         "fd_growth": growth,
         "fds_to_deleted_engine": to_deleted,

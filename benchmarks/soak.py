@@ -76,6 +76,7 @@ from kvroute.conformance.ids import ids_in, new_id
 from kvroute.conformance.invariant import check_response, completion_ids
 from kvroute.server.cluster import free_port
 from kvroute.server.state.loadtable import url_digest
+from kvroute.server.workers import WORKER_HEADER
 
 REQUESTS = int(os.environ.get("KVROUTE_SOAK_REQUESTS", "3000"))  # --requests
 MAX_FACTOR = 4  # traffic goes on while the faults run, up to this many times REQUESTS
@@ -324,14 +325,17 @@ class Soak:
     async def wait_replica(self, r: Replica) -> None:
         assert r.proc is not None
         await wait_http(r.url, proc=r.proc, timeout_s=240)
-        for _ in range(600):  # every worker up (fresh connections spread over them), every backend admitted
+        for _ in range(600):  # every worker up and answering (fresh connections spread over the
+            # listening ones: a worker still starting gets none), every backend admitted
             ok = 0
-            for _ in range(6):
+            workers: set[str] = set()
+            for _ in range(12):
                 conn = aiohttp.TCPConnector(force_close=True)
                 async with aiohttp.ClientSession(connector=conn) as fresh, fresh.get(r.url + "/health") as h:
                     body = await h.json()
                     ok += h.status == 200 and body["healthy_backends"] >= 4
-            if ok == 6:
+                    workers.add(h.headers.get(WORKER_HEADER, ""))
+            if ok == 12 and workers == {"1", "2"}:
                 break
             await asyncio.sleep(0.2)
         r.alive = True

@@ -9,7 +9,7 @@ one (growth by source line, the router's and its libraries' lines only: the load
 left out) and the live objects are counted by type (``gc``). So a cache that fills shows as its
 line growing and then not, and a leak as a line that keeps growing.
 
-Writes ``benchmarks/results/soak-heap.json``: per checkpoint the traced total, RSS, the top lines by
+Writes ``benchmarks/results/soak-heap.json`` (``--out`` another name): per checkpoint the traced total, RSS, the top lines by
 growth and the object types that grew most. Slow (tracemalloc costs the router several times its
 CPU); the figures are memory, not speed.
 """
@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         default=default,
         help=f"the router's tokenizer_cache_tokens (default {default:,}, the router's)",
     )
+    parser.add_argument("--out", default="soak-heap.json", help="results file under benchmarks/results")
     args = parser.parse_args(argv)
     if args.every < 1 or args.requests < args.every:
         parser.error("--every must be at least 1 and at most --requests")
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     out = asyncio.run(_run(args.requests, args.every, args.tokenizer_cache_tokens, logs))
     out["tokenizer_cache_tokens"] = args.tokenizer_cache_tokens
     out["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
-    write("soak-heap.json", out)
+    write(args.out, out)
     return 0
 
 

@@ -32,13 +32,26 @@ Asserts (the exit status is 1 when one fails):
 - no traceback in any process's log;
 - the in-flight gauges back to zero on both replicas (``kvroute_backend_waiting``/``running``) and
   on every engine (``vllm:num_requests_running``/``waiting``);
-- every router process's RSS under ``RSS_BOUND_MIB``.
+- every router process's RSS under ``RSS_BOUND_MIB``;
+- nothing a router process holds open grows over the run: each process's descriptors at the end
+  (after the clients closed and ``QUIET_S`` seconds), but its pooled connections to the engines, at
+  most ``OTHER_SLACK`` above its count at the start (replica B's second life: at its restart); its
+  pooled connections to each engine at most ``POOL_BOUND``; none left to the deleted engine;
+- RSS levels off: replica A's router processes grow less than ``RSS_SLOPE_BOUND_MIB`` per 1,000 of
+  its requests over the second half of its requests.
 
-Writes ``benchmarks/results/soak.json``. ``KVROUTE_SOAK_REQUESTS`` changes the length.
+Descriptors and RSS are sampled by phase (start, after each fault, end): every router process's
+(supervisor, resource tracker, each worker) descriptors by kind and its sockets by peer (client,
+each engine's HTTP port, each engine's ZMQ KV events, the replicas' peer channel, the unix sockets
+between a supervisor and its workers), read from ``/proc`` (:mod:`benchmarks.fdcensus`).
+
+Writes ``benchmarks/results/soak.json`` (``--out`` another name). ``--requests`` (or
+``KVROUTE_SOAK_REQUESTS``) changes the length; ``python -m benchmarks.soak --help``.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
@@ -53,20 +66,45 @@ from typing import Any
 
 import aiohttp
 import orjson
+import psutil
 
 from benchmarks.common import table, write
+from benchmarks.fdcensus import Peers, census
 from benchmarks.procs import Fleet, Proc, Traffic, send, tree_rss_mib, wait_http
 from kvroute.conformance.clients import CLIENTS, Ctx
 from kvroute.conformance.ids import ids_in, new_id
 from kvroute.conformance.invariant import check_response, completion_ids
 from kvroute.server.cluster import free_port
 from kvroute.server.state.loadtable import url_digest
+from kvroute.server.workers import WORKER_HEADER
 
-REQUESTS = int(os.environ.get("KVROUTE_SOAK_REQUESTS", "3000"))
+REQUESTS = int(os.environ.get("KVROUTE_SOAK_REQUESTS", "3000"))  # --requests
 MAX_FACTOR = 4  # traffic goes on while the faults run, up to this many times REQUESTS
 GAP_S = 1.5  # seconds between two faults
 CONCURRENCY = 16
 RSS_BOUND_MIB = 400.0
+QUIET_S = 3.0  # seconds between the clients closing their connections and the last census
+POOL_BOUND = CONCURRENCY + 5
+"""Pooled connections a router process may hold to one engine at the end: the upstream pool keeps
+each connection it opened for reuse (up to ``max_idle`` per backend) and opens one only when none is
+idle, so it holds at most as many as the process once had in flight to that engine at the same
+time: the ``CONCURRENCY`` valid clients, the hostile one and the bad-input one, and its own health
+check, ``/metrics`` scrape and ``/v1/models`` read. They stay while the engine keeps them open (the
+emulated engine, aiohttp's server: 75 s idle; vLLM's uvicorn: 5 s), so they are bounded, not
+required to return to the start's count."""
+OTHER_SLACK = 2
+"""Descriptors other than pooled connections to the engines (files, pipes, eventfds, unix sockets,
+ZMQ sockets, client connections after they closed) that a router process may hold at the end beyond
+its start: the supervisors' links of the replicas' peer channel (ZMQ, a TCP connection each way) may
+still be connecting at the start, and are made anew after replica B's restart."""
+RSS_SLOPE_BOUND_MIB = 4.0
+"""MiB per 1,000 requests that replica A's router processes (summed) may still grow over the second
+half of its requests: its caches fill in the first (their bounds: ``tokenizer_cache_tokens`` and
+``tokenizer_cache_entries`` set low in the soak's config, the decision log's ``decisions_kept``, the
+KV view's engine-sized block sets); what grows after that is a leak."""
+TOKENIZER_CACHE_TOKENS = (
+    200_000  # the soak's bound per worker (the default 2,000,000 fills in ~10,000 requests)
+)
 HOSTILE_EVERY = 20  # valid requests per hostile client case
 TOKEN = "soak-token"
 MAX_BODY = 2 << 20  # bytes: the replicas' --max-body-bytes (a bigger body is a 413)
@@ -225,6 +263,7 @@ class Hostile:
 @dataclass
 class Soak:
     logs: Path
+    requests: int = REQUESTS  # valid requests to send at least (the faults run at fractions of it)
     fleet: Fleet = field(init=False)
     engines: list[Proc] = field(default_factory=list)
     replicas: list[Replica] = field(default_factory=list)
@@ -235,11 +274,15 @@ class Soak:
     bad_failures: list[str] = field(default_factory=list)
     events: list[tuple[float, str]] = field(default_factory=list)
     rss_peak: dict[str, float] = field(default_factory=dict)
+    phases: list[dict[str, Any]] = field(default_factory=list)  # censuses by phase (Soak.phase)
+    rss_series: list[tuple[int, float]] = field(default_factory=list)  # (A's requests, A's RSS MiB)
+    done_by: Counter[str] = field(default_factory=Counter)  # requests answered, by replica
     done: int = 0
     engine_kill: tuple[float, float] = (0.0, 0.0)  # when the engine was killed .. back
     replica_kill: float = 0.0
     sent: int = 0
     faults_done: bool = False
+    quiet: bool = False  # the traffic is over (A's RSS series ends)
     killed_name: str = ""  # the replica SIGKILLed (its answers may be lost)
     swept: bool = False  # its restart removed the dead one's leftovers
     t0: float = field(default_factory=time.monotonic)
@@ -271,6 +314,7 @@ class Soak:
             + f"policy: {policy}\nadmin_token: {TOKEN}\nmax_body_bytes: {MAX_BODY}\n"
             + "health_interval_s: 0.2\ndrain_grace_s: 0.5\ndrain_timeout_s: 8\n"
             + f"peer_bind: {r.peer}\npeers: [{others}]\npeer_expiry_s: 2.0\npeer_refresh_s: 0.5\n"
+            + f"tokenizer_cache_tokens: {TOKENIZER_CACHE_TOKENS}\n"
         )
 
     def start_replica(self, r: Replica) -> None:
@@ -281,17 +325,70 @@ class Soak:
     async def wait_replica(self, r: Replica) -> None:
         assert r.proc is not None
         await wait_http(r.url, proc=r.proc, timeout_s=240)
-        for _ in range(600):  # every worker up (fresh connections spread over them), every backend admitted
+        for _ in range(600):  # every worker up and answering (fresh connections spread over the
+            # listening ones: a worker still starting gets none), every backend admitted
             ok = 0
-            for _ in range(6):
+            workers: set[str] = set()
+            for _ in range(12):
                 conn = aiohttp.TCPConnector(force_close=True)
                 async with aiohttp.ClientSession(connector=conn) as fresh, fresh.get(r.url + "/health") as h:
                     body = await h.json()
                     ok += h.status == 200 and body["healthy_backends"] >= 4
-            if ok == 6:
+                    workers.add(h.headers.get(WORKER_HEADER, ""))
+            if ok == 12 and workers == {"1", "2"}:
                 break
             await asyncio.sleep(0.2)
         r.alive = True
+
+    # ---- descriptors and RSS by phase ------------------------------------------------------------
+
+    def peers(self) -> Peers:
+        """The ports the census names sockets by: the replicas', the engines' (HTTP, ZMQ), the peers'."""
+        engines = {int(e.url.rsplit(":", 1)[1]): f"engine{k}" for k, e in enumerate(self.engines)}
+        zmq = {
+            int(ep.rsplit(":", 1)[1]): f"engine{k}" for k, e in enumerate(self.engines) for ep in e.kv or ()
+        }
+        return Peers(
+            frozenset(r.port for r in self.replicas),
+            engines,
+            zmq,
+            frozenset(int(r.peer.rsplit(":", 1)[1]) for r in self.replicas),
+        )
+
+    def processes(self, r: Replica) -> dict[str, int]:
+        """Role → pid of replica ``r``'s processes: ``supervisor``, ``tracker`` (multiprocessing's
+        resource tracker), ``worker1``, ``worker2`` (by pid)."""
+        if r.proc is None or not r.proc.alive():
+            return {}
+        out = {"supervisor": r.proc.pid}
+        workers = []
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process(r.proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if any("resource_tracker" in part for part in child.cmdline()):
+                        out["tracker"] = child.pid
+                    else:
+                        workers.append(child.pid)
+        out.update({f"worker{k}": pid for k, pid in enumerate(sorted(workers), 1)})
+        return out
+
+    def phase(self, label: str) -> None:
+        """Record every live router process's descriptors and RSS now, as phase ``label``."""
+        peers = self.peers()
+        replicas: dict[str, Any] = {}
+        fds: dict[str, int] = {}
+        for r in self.replicas:
+            if r.proc is None or not r.proc.alive():
+                continue
+            procs = {role: census(pid, peers) for role, pid in self.processes(r).items()}
+            replicas[r.name] = {
+                "generation": r.generation,
+                "processes": {role: c.as_json() for role, c in procs.items()},
+            }
+            fds[r.name] = sum(c.fds for c in procs.values())
+        t = round(time.monotonic() - self.t0, 2)
+        self.phases.append({"phase": label, "t": t, "requests": self.done, "replicas": replicas})
+        print(f"  [{t:6.1f} s] census {label}: descriptors by replica {fds}", flush=True)
 
     def kill_tree(self, proc: Proc) -> None:
         """SIGKILL ``proc`` and all its descendants (each by its pid), all at once."""
@@ -309,10 +406,10 @@ class Soak:
     async def client(self, session: aiohttp.ClientSession, traffic: Traffic, enough: asyncio.Event) -> None:
         """Send requests until ``enough`` is set (the faults are done and ``REQUESTS`` were sent) or
         ``MAX_FACTOR`` times ``REQUESTS`` were."""
-        while not enough.is_set() and self.sent < MAX_FACTOR * REQUESTS:
+        while not enough.is_set() and self.sent < MAX_FACTOR * self.requests:
             i = self.sent
             self.sent += 1
-            if self.sent >= REQUESTS and self.faults_done:
+            if self.sent >= self.requests and self.faults_done:
                 enough.set()
             r = self.pick(i)
             path, body = traffic.next()
@@ -330,6 +427,7 @@ class Soak:
                 outcome = "wrong_client"
             self.results.append(Result(r.name, r.generation, start, end, status, outcome))
             self.done += 1
+            self.done_by[r.name] += 1
 
     async def hostile_clients(self, enough: asyncio.Event) -> None:
         """One client case of the catalogue for every ``HOSTILE_EVERY`` valid requests, in turn."""
@@ -383,19 +481,24 @@ class Soak:
                 await asyncio.sleep(0.05)
 
     async def rss_sampler(self, stop: asyncio.Event) -> None:
+        """Every second: each router process's peak RSS, and replica A's RSS (its processes summed)
+        against the requests it answered."""
         while not stop.is_set():
             for r in self.replicas:
                 if r.proc is not None and r.proc.alive():
-                    for pid, mib in tree_rss_mib(r.proc.pid).items():
+                    tree = tree_rss_mib(r.proc.pid)
+                    for pid, mib in tree.items():
                         key = f"{r.name}:{pid}"
                         self.rss_peak[key] = max(self.rss_peak.get(key, 0.0), mib)
+                    if r.name == "A" and not self.quiet:
+                        self.rss_series.append((self.done_by["A"], round(sum(tree.values()), 1)))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
 
     # ---- faults --------------------------------------------------------------------------------
 
     async def at(self, frac: float) -> None:
-        while self.done < frac * REQUESTS:
+        while self.done < frac * self.requests:
             await asyncio.sleep(0.05)
 
     async def faults(self, session: aiohttp.ClientSession) -> None:
@@ -407,9 +510,10 @@ class Soak:
         self.kill_tree(victim)
         await asyncio.sleep(2.0)
         self.engines[3] = self.fleet.restart(victim)
-        await wait_http(self.engines[3].url, proc=self.engines[3])
+        await wait_http(self.engines[3].url, proc=self.engines[3], timeout_s=240)
         self.engine_kill = (t_kill, time.monotonic() + 3.0)
         self.note("engine3 restarted")
+        self.phase("engine killed and restarted")
         await self.at(0.25)
         await asyncio.sleep(GAP_S)
         self.write_config(a, policy="lmetric")
@@ -422,6 +526,7 @@ class Soak:
         self.note("SIGHUP replica A: a broken config")
         await asyncio.sleep(GAP_S)
         self.write_config(a)
+        self.phase("SIGHUP: a valid and a broken config")
         await self.at(0.35)
         extra = self.engines[4]
         assert extra.kv is not None
@@ -430,6 +535,7 @@ class Soak:
             async with session.post(r.url + "/admin/backends", json=spec, headers=AUTH) as resp:
                 self.note(f"admin add engine4 on {r.name}: {resp.status}")
         await self.at(0.42)
+        self.phase("engine4 added")
         await asyncio.sleep(GAP_S)
         bid = url_digest(extra.url)
         async with session.post(f"{a.url}/admin/backends/{bid}/drain", headers=AUTH) as resp:
@@ -444,6 +550,7 @@ class Soak:
                 self.note(f"admin delete engine4 on {r.name}: {resp.status}")
         await self.at(0.55)
         await asyncio.sleep(GAP_S)
+        self.phase("engine4 deleted")
         b.alive = False  # the load balancer stops sending to it first, as a health check would
         self.killed_name = "B"
         self.replica_kill = time.monotonic()
@@ -456,6 +563,7 @@ class Soak:
         swept = "removed the leftovers of a dead kvroute supervisor" in b.proc.text()
         self.note(f"replica B started again (swept the dead one's leftovers: {swept})")
         self.swept = swept
+        self.phase("replica B restarted")
         await asyncio.sleep(GAP_S)  # some traffic through the restarted replica
         self.faults_done = True
 
@@ -514,7 +622,7 @@ async def _run(soak: Soak) -> dict[str, Any]:
     fleet = soak.fleet
     soak.engines = [fleet.engine(f"engine{k}", time_scale=100.0) for k in range(5)]
     for e in soak.engines:
-        await wait_http(e.url, proc=e)
+        await wait_http(e.url, proc=e, timeout_s=240)  # a loaded machine starts them slowly
     tmp = soak.logs
     soak.replicas = [
         Replica(n, tmp / f"replica-{n}.yaml", free_port(), f"tcp://127.0.0.1:{free_port()}")
@@ -527,6 +635,7 @@ async def _run(soak: Soak) -> dict[str, Any]:
         await soak.wait_replica(r)
     soak.note("2 replicas x 2 workers up, 4 engines admitted")
     soak.t0 = time.monotonic()
+    soak.phase("start")
     stop = asyncio.Event()
     sampler = asyncio.create_task(soak.rss_sampler(stop))
     traffic = Traffic(seed=11, users=300, max_turns=6, words=150)
@@ -534,10 +643,11 @@ async def _run(soak: Soak) -> dict[str, Any]:
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         faults = asyncio.create_task(soak.faults(session))
-        bad = asyncio.create_task(soak.bad_inputs(session, rounds=max(1, REQUESTS // 300)))
+        bad = asyncio.create_task(soak.bad_inputs(session, rounds=max(1, soak.requests // 300)))
         hostile = asyncio.create_task(soak.hostile_clients(enough))
         await asyncio.gather(*(soak.client(session, traffic, enough) for _ in range(CONCURRENCY)))
         enough.set()  # (also when MAX_FACTOR ended the traffic first)
+        soak.quiet = True
         await hostile
         soak.note(f"{soak.sent} requests done")
         await faults
@@ -558,6 +668,10 @@ async def _run(soak: Soak) -> dict[str, Any]:
                 break
             await asyncio.sleep(0.2)
         soak.note(f"gauges: {gauges}")
+    # the clients' connections are closed: what the routers still hold after a quiet moment stays
+    await asyncio.sleep(QUIET_S)
+    soak.phase("end")
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         # SIGTERM with streams in flight: each ends with [DONE] (finished, or the drain's error event)
         a = soak.replicas[0]
         long_body = {
@@ -588,10 +702,66 @@ async def _run(soak: Soak) -> dict[str, Any]:
     return {"gauges": gauges, "drained": drained, "exit_a": code_a, "exit_b": code_b}
 
 
-def main() -> int:
+def fd_growth(phases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``replica:role`` → its descriptors at its start (replica A: phase ``start``; B, SIGKILLed and
+    started again: phase ``replica B restarted``) and at the ``end``, the growth, and its sockets by
+    peer at both."""
+    by = {p["phase"]: p["replicas"] for p in phases}
+    out: dict[str, dict[str, Any]] = {}
+    for name, first in (("A", "start"), ("B", "replica B restarted")):
+        start, end = by.get(first, {}).get(name), by.get("end", {}).get(name)
+        if start is None or end is None:
+            continue
+        for role, c0 in start["processes"].items():
+            c1 = end["processes"].get(role)
+            if c1 is None:
+                continue
+            pooled0, pooled1 = (
+                sum(n for peer, n in c["by_peer"].items() if peer.startswith("engine")) for c in (c0, c1)
+            )
+            out[f"{name}:{role}"] = {
+                "start": c0["fds"],
+                "end": c1["fds"],
+                "growth": c1["fds"] - c0["fds"],
+                "growth_not_pooled": (c1["fds"] - pooled1) - (c0["fds"] - pooled0),
+                "pooled_end": {peer: n for peer, n in c1["by_peer"].items() if peer.startswith("engine")},
+                "sockets_start": c0["by_peer"],
+                "sockets_end": c1["by_peer"],
+            }
+    return out
+
+
+def rss_slopes(series: list[tuple[int, float]]) -> tuple[float, float, int]:
+    """MiB per 1,000 requests over the first and the second half of ``series`` ((requests answered,
+    RSS MiB) samples), and the requests it spans; (0, 0, n) when too short."""
+    if len(series) < 3 or series[-1][0] < 100:
+        return 0.0, 0.0, series[-1][0] if series else 0
+    n = series[-1][0]
+    r0 = series[0][1]
+    mid = min(series, key=lambda x: abs(x[0] - n / 2))
+    r1 = series[-1][1]
+    first = (mid[1] - r0) / max(mid[0] - series[0][0], 1) * 1000
+    second = (r1 - mid[1]) / max(n - mid[0], 1) * 1000
+    return round(first, 2), round(second, 2), n
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.soak",
+        description="a bounded chaos soak of kvroute serve (2 replicas x 2 workers, 4 emulated engines)",
+    )
+    parser.add_argument(
+        "--requests", type=int, default=REQUESTS, help=f"valid requests at least (default {REQUESTS})"
+    )
+    parser.add_argument("--out", default="soak.json", help="results file under benchmarks/results")
+    args = parser.parse_args(argv)
+    if args.requests < 100:
+        parser.error("--requests: at least 100")
     logs = Path(tempfile.mkdtemp(prefix="kvroute-soak-"))
-    print(f"soak: {REQUESTS} requests, {CONCURRENCY} clients, {BAD_KINDS} kinds of bad input; logs in {logs}")
-    soak = Soak(logs)
+    print(
+        f"soak: {args.requests} requests, {CONCURRENCY} clients, {BAD_KINDS} kinds of bad input; logs in {logs}"
+    )
+    soak = Soak(logs, requests=args.requests)
     t_start = time.monotonic()
     try:
         end = asyncio.run(_run(soak))
@@ -631,6 +801,15 @@ def main() -> int:
     log_a = _log(soak, "replica-A")
     reloads = (log_a.count("SIGHUP: reloaded"), log_a.count("rejected, keeping the old config"))
     rss_peak = max(soak.rss_peak.values(), default=0.0)
+    growth = fd_growth(soak.phases)
+    ends = [p for p in soak.phases if p["phase"] == "end"]
+    to_deleted = {
+        f"{name}:{role}": n
+        for name, rep in (ends[0]["replicas"] if ends else {}).items()
+        for role, c in rep["processes"].items()
+        if (n := c["by_peer"].get("engine4", 0) + c["by_peer"].get("zmq:engine4", 0))
+    }
+    rss_first, rss_second, rss_span = rss_slopes(soak.rss_series)
     checks = {
         "nothing lost outside the killed replica": not lost,
         "engine kill broke at most the requests in flight": len(engine_broken) <= CONCURRENCY,
@@ -644,7 +823,14 @@ def main() -> int:
         "replicas exited 0": end["exit_a"] == 0 and end["exit_b"] == 0,
         "a restarted replica swept the dead one's leftovers": soak.swept,
         "SIGHUP: the valid config applied, the broken one refused": reloads == (2, 2),
-        f"at least {REQUESTS} requests": len(res) >= REQUESTS,
+        f"at least {soak.requests} requests": len(res) >= soak.requests,
+        f"descriptors: each process's pooled connections to one engine at most {POOL_BOUND}": bool(growth)
+        and all(n <= POOL_BOUND for g in growth.values() for n in g["pooled_end"].values()),
+        f"descriptors but pooled upstream connections: at most {OTHER_SLACK} above the start": bool(growth)
+        and all(g["growth_not_pooled"] <= OTHER_SLACK for g in growth.values()),
+        "descriptors: none left to the deleted engine": bool(ends) and not to_deleted,
+        f"RSS: second half under {RSS_SLOPE_BOUND_MIB:.0f} MiB per 1,000 requests": rss_span > 0
+        and rss_second < RSS_SLOPE_BOUND_MIB,
     }
     table([(k, "ok" if v else "FAILED", "") for k, v in checks.items()], ("check", "result", ""))
     figures = {
@@ -667,6 +853,20 @@ def main() -> int:
         "rss_peak_mib": round(rss_peak, 1),
         "rss_bound_mib": RSS_BOUND_MIB,
         "rss_peak_by_process": {k: round(v, 1) for k, v in sorted(soak.rss_peak.items())},
+        "pool_bound": POOL_BOUND,
+        "other_slack": OTHER_SLACK,
+        "fd_growth": growth,
+        "fds_to_deleted_engine": to_deleted,
+        "rss_replica_a_mib_per_1000": {
+            "first_half": rss_first,
+            "second_half": rss_second,
+            "requests": rss_span,
+        },
+        "rss_slope_bound_mib_per_1000": RSS_SLOPE_BOUND_MIB,
+        "rss_replica_a_series": soak.rss_series[:: max(1, len(soak.rss_series) // 200)],
+        "tokenizer_cache_tokens": TOKENIZER_CACHE_TOKENS,
+        "phases": soak.phases,
+        "loadavg_end": Path("/proc/loadavg").read_text().split()[:3],
         "sigterm_streams": end["drained"],
         "sighup_reloaded_refused": reloads,
         "events": soak.events,
@@ -678,7 +878,12 @@ def main() -> int:
         f"lost on the killed replica {len(lost_killed)}, broken by the engine kill {len(engine_broken)}, "
         f"lost elsewhere {len(lost)}; RSS peak {rss_peak:.0f} MiB; {wall:.0f} s"
     )
-    write("soak.json", figures)
+    print(
+        "descriptors start → end: "
+        + ", ".join(f"{k} {g['start']}→{g['end']}" for k, g in growth.items())
+        + f"; replica A RSS {rss_first} then {rss_second} MiB per 1,000 of its {rss_span} requests"
+    )
+    write(args.out, figures)
     if lost:
         print("lost:", [r.__dict__ for r in lost[:5]], file=sys.stderr)
     for name, n in tracebacks.items():

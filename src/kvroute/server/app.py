@@ -135,7 +135,9 @@ class RouterServer:
         )
         self.background = background
         self.subscribers: list[EventSubscriber] = []  # live KV event subscribers (the fleet's)
-        self.fleet = Fleet(self.state, self.monitor, self.subscribers)
+        # a removed backend's pooled connections are closed (the default transport keeps a pool per URL)
+        prune = self.transport.prune if isinstance(self.transport, H1Transport) else None
+        self.fleet = Fleet(self.state, self.monitor, self.subscribers, prune)
         self.discovery = Discovery(config, self.fleet, resolve, parse_backends)
         self._tasks: list[asyncio.Task[None]] = []
         self._runner: web.AppRunner | None = None

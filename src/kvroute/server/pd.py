@@ -268,11 +268,15 @@ class PDServer:
         self._subscribers[(role, inst.index)] = asyncio.get_running_loop().create_task(sub.run())
 
     def apply(self, changes: PDChanges) -> None:
-        """Start and stop KV event subscriptions for the instances that joined and left."""
+        """Start and stop KV event subscriptions for the instances that joined and left; the pooled
+        connections of an instance that left (and did not join again) are closed."""
+        back = {inst.backend.url for _, inst in changes.joined}
         for role, inst in changes.left:
             task = self._subscribers.pop((role, inst.index), None)
             if task is not None:
                 task.cancel()
+            if isinstance(self.transport, H1Transport) and inst.backend.url not in back:
+                self.transport.forget(inst.backend.url)
         for role, inst in changes.joined:
             self._subscribe(role, inst)
 

@@ -8,8 +8,11 @@ Metric names (all prefixed ``kvroute_``): ``requests_total{outcome}``, ``retries
 ``tokenizer_cache_hits_total``, ``tokenizer_cache_misses_total``, ``routing_seconds_total``,
 ``routed_total``, ``upstream_stray_responses_total`` (responses dropped because their echoed
 ``x-request-id`` was another request's: see :mod:`kvroute.server.wire.h1`; :class:`StrayCollector`,
-which the P/D router registers too). Each router owns its own ``CollectorRegistry``. The per-backend series cover active and draining
-backends (a draining one's in-flight gauges show its drain); a removed backend's series disappear.
+which the P/D router registers too), ``upstream_connections{backend}`` (the transport's open
+connections to each backend, idle in its pool or carrying a request; a removed backend's series
+disappears with its connections). Each router owns its own ``CollectorRegistry``. The per-backend
+series cover active and draining backends (a draining one's in-flight gauges show its drain); a
+removed backend's series disappear.
 
 The ``backend_waiting``/``running``/``queued_prefill_tokens`` gauges are this machine's: summed over
 the rows of the in-flight table, i.e. over every worker of ``kvroute serve --workers N`` (not the load
@@ -42,8 +45,10 @@ drain timed out, which the router ended (see ``RouterServer.shutdown``)."""
 
 
 class StrayCollector(Collector):
-    """``kvroute_upstream_stray_responses_total``: the transport's ``strays`` count (0 for a
-    transport that keeps none), read at scrape time."""
+    """The transport's own metrics, read at scrape time: ``kvroute_upstream_stray_responses_total``
+    (its ``strays`` count; 0 for a transport that keeps none) and
+    ``kvroute_upstream_connections{backend}`` (its ``open_connections()``, base URL → open
+    connections; no series for a transport without pools)."""
 
     def __init__(self, transport: object) -> None:
         self.transport = transport
@@ -54,6 +59,15 @@ class StrayCollector(Collector):
             "Upstream responses dropped: their echoed x-request-id was another request's",
             value=int(getattr(self.transport, "strays", 0)),
         )
+        conns = GaugeMetricFamily(
+            "kvroute_upstream_connections",
+            "Open connections to the backend (idle in the pool or carrying a request)",
+            labels=["backend"],
+        )
+        count = getattr(self.transport, "open_connections", None)
+        for url, n in (count() if callable(count) else {}).items():
+            conns.add_metric([url], n)
+        yield conns
 
 
 class RouterCollector(Collector):

@@ -25,7 +25,10 @@
 - **Drain, then remove**: a draining backend takes no new requests; :meth:`Fleet.reap` (every
   ``REAP_INTERVAL_S`` while the loops run, and at once after a drain) removes the ones marked for
   removal whose LoadTable row of this process is zero (``BackendState.idle``), stopping their KV event
-  subscriber. A backend drained through the admin API's ``/drain`` stays draining (and listed) until
+  subscriber; and each time, ``prune_upstream`` (the router's transport's ``prune``) is given the URLs
+  listed now, so the pooled upstream connections of a removed backend are closed, also those a health
+  check or scrape begun before the removal opened after it: nothing a removed backend held stays
+  open. A backend drained through the admin API's ``/drain`` stays draining (and listed) until
   deleted or undrained.
 
 All of it runs on the router's event loop; nothing here blocks.
@@ -36,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,12 +86,21 @@ class Changes:
 
 class Fleet:
     """Membership of ``core``'s backends (module docstring). ``subscribers`` is the live list of KV
-    event subscribers (the exporter reads it). Loops and subscribers run only after :meth:`start`."""
+    event subscribers (the exporter reads it). ``prune_upstream(urls)``: the transport keeps
+    connections to ``urls`` (the listed backends' URLs) only, called at each :meth:`reap`. Loops and
+    subscribers run only after :meth:`start`."""
 
-    def __init__(self, core: RouterState, monitor: Monitor, subscribers: list[EventSubscriber]) -> None:
+    def __init__(
+        self,
+        core: RouterState,
+        monitor: Monitor,
+        subscribers: list[EventSubscriber],
+        prune_upstream: Callable[[set[str]], None] | None = None,
+    ) -> None:
         self.state = core
         self.monitor = monitor
         self.subscribers = subscribers
+        self.prune_upstream = prune_upstream
         self.sources: dict[str, tuple[BackendSpec, ...]] = {STATIC: tuple(core.config.backends), ADMIN: ()}
         self.running = False
         self._zmq: zmq.asyncio.Context | None = None
@@ -252,7 +264,8 @@ class Fleet:
         return self.state.reactivate_backend(index)
 
     def reap(self) -> list[BackendState]:
-        """Remove the backends marked for removal that are idle now; returns them."""
+        """Remove the backends marked for removal that are idle now (returns them); the transport
+        keeps connections to the listed backends only."""
         done = []
         for index in sorted(self._removing):
             b = self.state.backends[index]
@@ -262,6 +275,8 @@ class Fleet:
                 self.state.remove_backend(index)
                 log.warning("removed backend %s (drained)", b.url)
                 done.append(b)
+        if self.prune_upstream is not None:
+            self.prune_upstream({b.url for b in self.state.live_backends()})
         return done
 
     def removing(self, index: int) -> bool:

@@ -69,7 +69,7 @@ import contextlib
 import logging
 import select
 import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Collection, Mapping
 from urllib.parse import urlsplit
 
 import httptools
@@ -372,7 +372,7 @@ class _H1Response:
 class _Pool:
     """Idle keep-alive connections to one ``host:port`` (most recently used first out)."""
 
-    __slots__ = ("base", "host", "hostport", "idle", "live", "max_idle", "port", "prefix", "tls")
+    __slots__ = ("base", "host", "hostport", "idle", "live", "max_idle", "port", "prefix", "retired", "tls")
 
     def __init__(self, host: str, port: int, max_idle: int, tls: bool = False, prefix: str = "") -> None:
         self.host = host
@@ -384,6 +384,7 @@ class _Pool:
         self.idle: list[_Conn] = []
         self.live: set[_Conn] = set()  # every open connection, idle or carrying a request
         self.max_idle = max_idle
+        self.retired = False  # its backend is gone: a connection released now is closed, not kept
 
     def get(self) -> _Conn | None:
         idle = self.idle
@@ -397,10 +398,17 @@ class _Pool:
         return None
 
     def put(self, conn: _Conn) -> None:
-        if len(self.idle) >= self.max_idle:
+        if self.retired or len(self.idle) >= self.max_idle:
             conn.close()
         else:
             self.idle.append(conn)
+
+    def retire(self) -> None:
+        """Close the idle connections now, and each one in use when its response is released."""
+        self.retired = True
+        for conn in self.idle:
+            conn.close()
+        self.idle.clear()
 
     def close(self) -> None:
         """Close every connection, idle or in use (their responses then break off)."""
@@ -548,6 +556,27 @@ class H1Transport:
             conn.close()
             raise
         return _H1Response(conn, pool, self._read_timeout_s)
+
+    def open_connections(self) -> dict[str, int]:
+        """Base URL → the connections open to it (idle or carrying a request), for each pool."""
+        return {url: len(pool.live) for url, pool in self._pools.items() if pool is not None}
+
+    def forget(self, base_url: str) -> None:
+        """``base_url``'s backend is gone (removed from the router): its idle keep-alive
+        connections are closed now, those carrying a request when their response is released, and
+        its pool is dropped (a later call to the same URL starts a new one). Without this, a
+        removed backend that keeps idle connections open (aiohttp's server for 75 s, some never)
+        holds up to ``max_idle`` descriptors per worker, and one pool per URL ever used stays."""
+        pool = self._pools.pop(base_url, None)
+        if pool is not None:
+            pool.retire()
+
+    def prune(self, keep: Collection[str]) -> None:
+        """:meth:`forget` every base URL with a pool that is not in ``keep`` (the backends listed
+        now). Called again and again, it also catches a pool made for a removed backend after its
+        removal (a health check or scrape that began before it)."""
+        for url in [u for u in self._pools if u not in keep]:
+            self.forget(url)
 
     async def close(self) -> None:
         for pool in self._pools.values():

@@ -45,7 +45,9 @@ def test_census_counts_what_this_process_opens_and_names_the_peers() -> None:
         # accepted on the router's port: a client; our side of it: an unknown port's peer; the
         # engine's port: engine0; the socket pair: unix; both servers: listen
         assert grew["client"] == 1 and grew["tcp:other"] == 1 and grew["engine0"] == 1 and grew["unix"] == 2
-        assert after.by_peer["listen"] == 2 and after.rss_mib > 0 and after.threads >= 1
+        # both servers listen in both censuses (the test process may hold other listeners of its own)
+        assert after.by_peer["listen"] == before.by_peer["listen"] >= 2
+        assert after.rss_mib > 0 and after.threads >= 1
     finally:
         for s in (client, accepted, upstream, a, b, server, engine):
             s.close()

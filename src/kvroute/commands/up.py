@@ -212,9 +212,9 @@ def run(args: argparse.Namespace) -> int:
                 f'curl -H "Authorization: Bearer {shown}" {url}/debug/decisions',
                 file=sys.stderr,
             )
-            print(f"router: {gateway.url if gateway is not None else url}/v1", flush=True)
-            try:
-                await serve_until_signal(server)
+            router_line = f"router: {gateway.url if gateway is not None else url}/v1"
+            try:  # the router line (what scripts wait for) once Ctrl-C and SIGTERM drain
+                await serve_until_signal(server, ready=lambda: print(router_line, flush=True))
             finally:
                 if gateway is not None:
                     gateway.stop()

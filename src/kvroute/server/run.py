@@ -135,11 +135,17 @@ class Reloadable(Protocol):
     async def stop(self) -> None: ...
 
 
-async def serve_until_signal(server: Reloadable, reloader: Reloader | None = None) -> None:
+async def serve_until_signal(
+    server: Reloadable, reloader: Reloader | None = None, ready: Callable[[], object] | None = None
+) -> None:
     """Serve until SIGTERM/SIGINT, then drain and stop ``server``; SIGHUP reloads with ``reloader``
-    (see the module docstring)."""
+    (see the module docstring). ``ready()`` runs once the handlers are in place: a caller announces
+    readiness there, so that a signal sent on reading the announcement always drains (before them, a
+    SIGINT reached asyncio's own handler, which cancelled the main task mid-start)."""
     reload = None if reloader is None else (lambda: reloader.reload(server))
     with Signals(reload) as signals:
+        if ready is not None:
+            ready()
         try:
             await signals.stop.wait()
         except BaseException:
@@ -178,12 +184,10 @@ def serve_forever(
         modes = ", ".join(f"{b.url} ({'exact' if b.kv_events else 'approx'})" for b in config.backends)
         found = f" discover: {', '.join(config.discover)}" if config.discover else ""
         admin = f" admin API on; dashboard: {url}/dashboard" if config.admin_token is not None else ""
-        print(
-            f"kvroute serve: {url}/v1 policy={config.policy} backends: {modes or '(none yet)'}{found}{admin}",
-            file=sys.stderr,
-            flush=True,
+        line = (
+            f"kvroute serve: {url}/v1 policy={config.policy} backends: {modes or '(none yet)'}{found}{admin}"
         )
-        await serve_until_signal(server, reloader)
+        await serve_until_signal(server, reloader, lambda: print(line, file=sys.stderr, flush=True))
         return 0
 
     return run_loop(main)

@@ -260,7 +260,6 @@ class LongChatConfig(ChatbotConfig):
     system_prompt_tokens_min: int = 64
     system_prompt_tokens_max: int = 512
     first_msg_mean: float = 12000.0
-    first_msg_sigma: float = 1.0
     user_msg_mean: float = 200.0
     think_time_mean_s: float = 10.0
     mean_turns: float = 6.0

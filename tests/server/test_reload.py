@@ -102,14 +102,16 @@ async def test_a_backend_deleted_through_the_admin_api_stays_deleted_across_sigh
     """Regression: a SIGHUP reload of an unchanged file brought back a backend deleted through the
     admin API, on the worker that reloaded, so workers and replicas disagreed. Two workers here: the
     deletion reaches one, the journal the other; SIGHUP reaches both; neither lists it again until the
-    file's entry for it changes."""
+    file's entry for it changes. Each reload also adds or removes a third backend, so that the test
+    waits until both workers have applied it rather than for a fixed time (a reload that took over a
+    second on a loaded machine let the next write overtake it)."""
     from kvroute.server.state.loadtable import url_digest
 
     from .test_workers import until_all_listen
 
-    await engines.add_engine(tokenizer, events=False)
-    await engines.add_engine(tokenizer, events=False)
-    a, b = (s.url for s in engines.specs)
+    for _ in range(3):
+        await engines.add_engine(tokenizer, events=False)
+    a, b, c = (s.url for s in engines.specs)
     config = tmp_path / "router.yaml"
     config.write_text(f"backends: [{a}, {b}]\n")
     router = RouterProc(a, "--config", str(config), "--workers", "2", "--admin-token", "t")
@@ -138,15 +140,15 @@ async def test_a_backend_deleted_through_the_admin_api_stays_deleted_across_sigh
         ):
             assert r.status == 202
         assert await until(lambda: _eq(listed(), {frozenset((a,))}), 30), await listed()
-        router.signal(signal.SIGHUP)  # the same file
-        await asyncio.sleep(1.0)
-        assert await listed() == {frozenset((a,))}
-        config.write_text(f"backends: [{a}]\n")  # the operator takes it off the file ...
+        config.write_text(f"backends: [{a}, {b}, {c}]\n")  # b's entry as it was; c added
         router.signal(signal.SIGHUP)
-        await asyncio.sleep(1.0)
+        assert await until(lambda: _eq(listed(), {frozenset((a, c))}), 60), await listed()
+        config.write_text(f"backends: [{a}]\n")  # the operator takes b off the file (and c) ...
+        router.signal(signal.SIGHUP)
+        assert await until(lambda: _eq(listed(), {frozenset((a,))}), 60), await listed()
         config.write_text(f"backends: [{a}, {b}]\n")  # ... and lists it again: it is back
         router.signal(signal.SIGHUP)
-        assert await until(lambda: _eq(listed(), {frozenset((a, b))}), 30), await listed()
+        assert await until(lambda: _eq(listed(), {frozenset((a, b))}), 60), await listed()
         router.signal(signal.SIGTERM)
         code, err = await router.exit_status()
         assert code == 0, err

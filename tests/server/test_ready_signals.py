@@ -1,0 +1,82 @@
+"""Every front door announces readiness only once its SIGINT/SIGTERM handlers are in place: a SIGINT
+that arrives the instant it announces (``sigint_at_ready.py``: sent by the process itself, right after
+the line or, for a worker of ``serve --workers``, the ``ready`` message) drains it like any later one.
+
+Real processes on loopback (an unreachable backend is enough: nothing is routed). Each must exit 0
+(as after any graceful stop), say which signal stopped it, print no traceback, and leave no process of
+its session behind (workers, engines, multiprocessing's resource tracker). Before the fix, ``epp``
+and ``serve`` in P/D mode exited 130 (asyncio's own handler cancelled the main task), and a worker of
+``serve --workers`` printed a KeyboardInterrupt traceback and its supervisor never exited. A hang
+guard of 120 s, no speed claim."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import kvroute
+
+SRC = str(Path(kvroute.__file__).resolve().parents[1])
+LAUNCHER = str(Path(__file__).with_name("sigint_at_ready.py"))
+NOWHERE = "http://127.0.0.1:9"  # nothing listens: the router starts with an unhealthy backend
+
+FRONT_DOORS: dict[str, tuple[str, list[str]]] = {  # name: (the ready line's start, the arguments)
+    "serve": ("kvroute serve: ", ["serve", "--backend", NOWHERE]),
+    "serve --workers 2": ("-", ["serve", "--backend", NOWHERE, "--workers", "2"]),
+    "serve P/D": ("kvroute serve (P/D): ", ["serve", "--decode", NOWHERE]),
+    "epp": ("kvroute epp: ", ["epp", "--backend", NOWHERE, "--grpc-port", "0"]),
+    "up": ("router: ", ["up", "--instances", "1"]),
+}
+
+
+def session(sid: int) -> list[int]:
+    """The live processes of session ``sid`` (every descendant that did not call setsid)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if fields[0] != "Z" and int(fields[3]) == sid:
+                    out.append(int(entry))
+    return out
+
+
+def left_in(sid: int, timeout_s: float = 30.0) -> list[int]:
+    """The processes of session ``sid`` still alive after waiting up to ``timeout_s`` for them to end."""
+    deadline = time.monotonic() + timeout_s
+    while (left := session(sid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+@pytest.mark.parametrize("door", list(FRONT_DOORS))
+def test_sigint_at_the_ready_announcement_drains(door: str) -> None:
+    if door == "epp":
+        pytest.importorskip("grpc", reason="the gateway extra is not installed: pip install -e '.[gateway]'")
+    needle, args = FRONT_DOORS[door]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))
+    argv = [sys.executable, LAUNCHER, needle, *args, "--port", "0"]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True
+    )
+    try:
+        _, err = proc.communicate(timeout=120)
+        left = left_in(proc.pid)
+    finally:
+        for pid in [proc.pid, *session(proc.pid)]:  # whatever a failed run left behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    text = err.decode(errors="replace")
+    assert proc.returncode == 0, f"{door} exited {proc.returncode}: {text[-3000:]}"
+    assert "Traceback" not in text, text[-3000:]
+    assert "SIGINT" in text, text[-3000:]  # its handler saw the signal (a graceful stop says so)
+    assert left == [], f"{door} left processes behind: {left}"

@@ -129,6 +129,7 @@ def pd_config(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         discover_kv_events=kv_template,
         limits=client_limits(base),
         max_prompt_tokens=base.max_prompt_tokens,
+        upstream_keepalive_s=base.upstream_keepalive_s,
     )
     try:
         cfg.check()

@@ -109,7 +109,10 @@ class RouterServer:
         config.validate()
         self.config = config
         self.transport: Transport = transport or H1Transport(
-            connect_timeout_s=config.connect_timeout_s, read_timeout_s=config.upstream_timeout_s
+            connect_timeout_s=config.connect_timeout_s,
+            read_timeout_s=config.upstream_timeout_s,
+            keepalive_s=config.upstream_keepalive_s,
+            clock=clock,
         )
         tok = tokenizer or load_tokenizer(config.tokenizer, chat_template=config.chat_template)
         self.state = RouterState(

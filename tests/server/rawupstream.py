@@ -4,7 +4,8 @@ Each request it reads (head up to the blank line, then ``Content-Length`` bytes)
 script: a sequence of steps run in order on that connection, each ``bytes`` (written and drained),
 a ``float`` (seconds to sleep) or ``CLOSE`` (close the connection). Whatever the script does, the
 server then goes on reading the next request on the same connection (until it is closed). It never
-closes an idle connection itself; ``eofs`` counts the connections the client closed between requests.
+closes an idle connection itself; ``ended`` holds the numbers of the connections the client closed
+between requests.
 With ``tls`` (a server context) it speaks HTTPS.
 """
 
@@ -64,7 +65,7 @@ class RawUpstream:
         self.url = ""
         self._server: asyncio.Server | None = None
         self._conns = 0
-        self.eofs = 0  # connections the client closed between two requests (EOF where a head begins)
+        self.ended: set[int] = set()  # connections the client closed between requests (EOF at a head)
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: list[asyncio.StreamWriter] = []
 
@@ -101,7 +102,8 @@ class RawUpstream:
                 try:
                     head = await reader.readuntil(b"\r\n\r\n")
                 except asyncio.IncompleteReadError as exc:
-                    self.eofs += not exc.partial
+                    if not exc.partial:
+                        self.ended.add(conn)
                     return
                 except ConnectionError:
                     return

@@ -2,7 +2,7 @@
 (:meth:`H1Transport.prune`, which the router's fleet calls every 50 ms; and the pool itself before
 it would hand the connection out), so an engine without an idle timeout of its own does not hold it
 for ever. Real sockets on loopback: a raw keep-alive upstream that never closes an idle connection
-(:mod:`tests.server.rawupstream`) counts the connections the router closed (``eofs``). The unit test
+(:mod:`tests.server.rawupstream`) counts the connections the router closed (``ended``). The unit test
 moves an injected clock (no sleeping); the router test waits, bounded, for the upstream to see EOF
 (a hang guard, no speed claim)."""
 
@@ -58,11 +58,11 @@ async def test_an_idle_connection_past_the_limit_is_closed_by_the_injected_clock
             now[0] += 15.0  # idle exactly the limit: kept
             t.prune({up.url})
             await get(t, up.url)
-            assert up.connections == 1 and up.eofs == 0  # reused; idle again from now
+            assert up.connections == 1 and not up.ended  # reused; idle again from now
             assert gauge(t) == {up.url: 1.0}
             now[0] += 15.5  # idle past the limit
             t.prune({up.url})
-            await until(lambda: up.eofs == 1, "the upstream never saw the idle connection close")
+            await until(lambda: len(up.ended) == 1, "the upstream never saw the idle connection close")
             await until(lambda: t.open_connections() == {up.url: 0}, "the pool still counts it")
             assert gauge(t) == {up.url: 0.0}
             await get(t, up.url)  # a new connection
@@ -70,7 +70,7 @@ async def test_an_idle_connection_past_the_limit_is_closed_by_the_injected_clock
             now[0] += 60.0  # not pruned, but too old to be handed out: the pool closes it instead
             await get(t, up.url)
             assert up.connections == 3
-            await until(lambda: up.eofs == 2, "a connection past the limit was handed out")
+            await until(lambda: len(up.ended) == 2, "a connection past the limit was handed out")
             assert gauge(t) == {up.url: 1.0}
     finally:
         await t.close()
@@ -100,7 +100,7 @@ async def test_the_router_closes_its_idle_upstream_connections_after_upstream_ke
                 async with s.post(router.url + "/v1/completions", json=body) as r:
                     assert r.status == 200, await r.read()
                 await until(
-                    lambda: up.connections >= 1 and up.eofs == up.connections,
+                    lambda: up.connections >= 1 and len(up.ended) == up.connections,
                     "the router kept an idle upstream connection open",
                 )
                 async with s.get(router.url + "/metrics") as r:
@@ -134,3 +134,35 @@ def test_upstream_keepalive_flag_and_yaml_key(tmp_path: Path) -> None:
     f.write_text(f"backends: [{url}]\nupstream_keepalive_s: 0\n")
     with pytest.raises(UserError, match="upstream_keepalive_s"):
         load_config_file(f).validate()
+
+
+async def test_the_pd_router_prunes_idle_connections_and_those_of_unlisted_urls(
+    tokenizer: Tokenizer,
+) -> None:
+    """The P/D router (no fleet) prunes periodically too (:mod:`kvroute.server.wire.pruning`): the
+    decode instance's connection, idle past ``upstream_keepalive_s``, is closed by the router; and a
+    pool for a URL that is not an instance (what a leg begun before its instance left leaves) is
+    closed without waiting for the limit."""
+    from kvroute.engine import cost as costmod
+    from kvroute.engine.transfer import TransferModel
+    from kvroute.server.pd import PDBackend, PDConfig, PDServer
+
+    async with RawUpstream(engine) as up, RawUpstream(engine) as gone:
+        cfg = PDConfig((), (PDBackend(up.url),), scrape_interval=3600.0, upstream_keepalive_s=0.5)
+        cost = costmod.get_profile(costmod.DEFAULT_PROFILE).cost
+        router = PDServer(cfg, tokenizer, cost, TransferModel(100_000.0, 100e9))
+        port = await router.start("127.0.0.1", 0)
+        try:
+            async with aiohttp.ClientSession() as s:
+                body = {"model": "emu", "prompt": "hello there", "max_tokens": 2}
+                async with s.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.read()
+            legs = {r.conn for r in up.requests if r.head.startswith(b"POST")}  # not the scrape's
+            assert legs, up.requests
+            await until(lambda: legs <= up.ended, "the P/D router kept an idle upstream connection open")
+            assert isinstance(router.transport, H1Transport)
+            await get(router.transport, gone.url)  # a pool for a URL no instance has
+            await until(lambda: gone.ended == {0}, "the P/D router kept a connection to an unlisted URL")
+            assert gone.url not in router.transport.open_connections()
+        finally:
+            await router.stop()

@@ -77,6 +77,7 @@ from kvroute.server.wire.http import expect_continue
 from kvroute.server.wire.httperrors import RateLimitedLog, json_errors
 from kvroute.server.wire.limits import ClientLimits, LimitedRunner, read_body_within
 from kvroute.server.wire.pdrelay import LegFailed, relay_stream, relay_whole
+from kvroute.server.wire.pruning import prune_every, pruner
 from kvroute.server.wire.relay import timed_out
 from kvroute.server.wire.transport import (
     Transport,
@@ -258,6 +259,9 @@ class PDServer:
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._scrape_loop()))
+        prune = pruner(self.transport)
+        if prune is not None:  # instances gone, connections idle too long (kvroute.server.wire.pruning)
+            self._tasks.append(loop.create_task(prune_every(prune, self._listed)))
         for pool in ROLES:
             for inst in self.pools[pool].values():
                 self._subscribe(pool, inst)
@@ -265,6 +269,10 @@ class PDServer:
             await self._poll(role, source)  # the first look before serving
             self._tasks.append(loop.create_task(self._watch(role, source)))
         return self.port
+
+    def _listed(self) -> set[str]:
+        """The base URLs of the instances listed now, in either role."""
+        return {*self.members.urls("prefill"), *self.members.urls("decode")}
 
     def _subscribe(self, role: str, inst: PDInstance) -> None:
         """Follow ``inst``'s KV events into its role's view (nothing without an endpoint)."""

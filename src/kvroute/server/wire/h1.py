@@ -44,7 +44,7 @@ Behaviour (the :class:`~kvroute.server.wire.transport.Transport` contract):
   At most ``max_idle`` idle connections per backend; ``abort()`` closes the connection, which a
   vLLM-style engine takes as a cancelled request;
 - a connection idle in the pool for more than ``keepalive_s`` seconds (the injected ``clock``) is
-  closed: by :meth:`H1Transport.prune` (the router calls it every ``REAP_INTERVAL_S``, 50 ms), and
+  closed: by :meth:`H1Transport.prune` (every 50 ms, :mod:`kvroute.server.wire.pruning`), and
   by the pool before it would hand it out. Without it, a connection would stay open until the engine
   closes it, which an engine without an idle timeout never does (15 s by default, as aiohttp's
   connector's ``keepalive_timeout``);

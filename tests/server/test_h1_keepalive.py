@@ -11,10 +11,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 from collections.abc import Callable
-from pathlib import Path
 
 import aiohttp
-import pytest
 
 from kvroute.server.app import RouterServer
 from kvroute.server.config import BackendSpec, RouterConfig
@@ -110,30 +108,14 @@ async def test_the_router_closes_its_idle_upstream_connections_after_upstream_ke
             await router.stop()
 
 
-def test_upstream_keepalive_flag_and_yaml_key(tmp_path: Path) -> None:
-    """``--upstream-keepalive`` and the YAML key ``upstream_keepalive_s`` (default 15 s; P/D mode
-    takes it too); a value that is not positive is refused, naming the key."""
+def test_pd_mode_takes_upstream_keepalive() -> None:
     from kvroute.commands.pdserve import pd_config
-    from kvroute.commands.serve import add_arguments, config_from_args
-    from kvroute.commands.settings import load_config_file
-    from kvroute.errors import UserError
+    from kvroute.commands.serve import add_arguments
 
-    url = "http://127.0.0.1:1"
-    assert RouterConfig(backends=(BackendSpec(url),)).upstream_keepalive_s == 15.0
     p = argparse.ArgumentParser()
     add_arguments(p)
-    assert (
-        config_from_args(p.parse_args(["--backend", url, "--upstream-keepalive", "2.5"])).upstream_keepalive_s
-        == 2.5
-    )
-    pd, *_ = pd_config(p.parse_args(["--decode", url, "--upstream-keepalive", "3"]))
+    pd, *_ = pd_config(p.parse_args(["--decode", "http://127.0.0.1:1", "--upstream-keepalive", "3"]))
     assert pd.upstream_keepalive_s == 3.0
-    f = tmp_path / "c.yaml"
-    f.write_text(f"backends: [{url}]\nupstream_keepalive_s: 4\n")
-    assert load_config_file(f).upstream_keepalive_s == 4.0
-    f.write_text(f"backends: [{url}]\nupstream_keepalive_s: 0\n")
-    with pytest.raises(UserError, match="upstream_keepalive_s"):
-        load_config_file(f).validate()
 
 
 async def test_the_pd_router_prunes_idle_connections_and_those_of_unlisted_urls(

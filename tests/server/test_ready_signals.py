@@ -11,19 +11,13 @@ guard of 120 s, no speed claim."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-import kvroute
+from .sessionproc import run_in_session
 
-SRC = str(Path(kvroute.__file__).resolve().parents[1])
 LAUNCHER = str(Path(__file__).with_name("sigint_at_ready.py"))
 NOWHERE = "http://127.0.0.1:9"  # nothing listens: the router starts with an unhealthy backend
 
@@ -36,47 +30,13 @@ FRONT_DOORS: dict[str, tuple[str, list[str]]] = {  # name: (the ready line's sta
 }
 
 
-def session(sid: int) -> list[int]:
-    """The live processes of session ``sid`` (every descendant that did not call setsid)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                if fields[0] != "Z" and int(fields[3]) == sid:
-                    out.append(int(entry))
-    return out
-
-
-def left_in(sid: int, timeout_s: float = 30.0) -> list[int]:
-    """The processes of session ``sid`` still alive after waiting up to ``timeout_s`` for them to end."""
-    deadline = time.monotonic() + timeout_s
-    while (left := session(sid)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return left
-
-
 @pytest.mark.parametrize("door", list(FRONT_DOORS))
 def test_sigint_at_the_ready_announcement_drains(door: str) -> None:
     if door == "epp":
         pytest.importorskip("grpc", reason="the gateway extra is not installed: pip install -e '.[gateway]'")
     needle, args = FRONT_DOORS[door]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))
-    argv = [sys.executable, LAUNCHER, needle, *args, "--port", "0"]
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True
-    )
-    try:
-        _, err = proc.communicate(timeout=120)
-        left = left_in(proc.pid)
-    finally:
-        for pid in [proc.pid, *session(proc.pid)]:  # whatever a failed run left behind
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait()
-    text = err.decode(errors="replace")
-    assert proc.returncode == 0, f"{door} exited {proc.returncode}: {text[-3000:]}"
+    rc, text, left = run_in_session([sys.executable, LAUNCHER, needle, *args, "--port", "0"])
+    assert rc == 0, f"{door} exited {rc}: {text[-3000:]}"
     assert "Traceback" not in text, text[-3000:]
     assert "SIGINT" in text, text[-3000:]  # its handler saw the signal (a graceful stop says so)
     assert left == [], f"{door} left processes behind: {left}"

@@ -49,6 +49,7 @@ _SIMPLE = {
     "keepalive_timeout": "keepalive_timeout_s",
     "write_timeout": "write_timeout_s",
     "upstream_keepalive": "upstream_keepalive_s",
+    "worker_start_timeout": "worker_start_timeout_s",
     "max_prompt_tokens": "max_prompt_tokens",
     "parse_offload": "parse_offload",
 }
@@ -313,6 +314,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="router processes sharing the port (SO_REUSEPORT) and one in-flight load table "
         "(default 1: this process); see kvroute.server.workers",
+    )
+    p.add_argument(
+        "--worker-start-timeout",
+        type=seconds,
+        metavar="S",
+        help="with --workers: seconds each worker has to start listening, else serve exits with an "
+        "error (default 120)",
     )
 
 

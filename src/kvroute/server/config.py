@@ -40,6 +40,7 @@ The command-line flags and the YAML file that build it are read by :mod:`kvroute
     peer_expiry_s: 3.0                        # a silent peer's reservations vanish after this
     peer_refresh_s: 1.0                       # each replica re-announces its whole load this often
     workers: 1                                # `kvroute serve` processes sharing the port (SO_REUSEPORT)
+    worker_start_timeout_s: 120.0             # each worker must listen within this, else serve fails
     explain: false                            # every response carries x-kvroute-* explanation headers
     decisions_kept: 1000                      # decision records kept for GET /debug/decisions
     access_log: null                          # JSON lines access log: a file path, or - for stdout
@@ -234,6 +235,7 @@ class RouterConfig:
     peer_refresh_s: float = 1.0
     models_interval_s: float = 10.0
     workers: int = 1  # `kvroute serve` processes on the port (kvroute.server.workers); 1: this process
+    worker_start_timeout_s: float = 120.0  # with workers > 1: each must listen within this, else an error
     explain: bool = False
     decisions_kept: int = 1000
     access_log: str | None = None
@@ -303,6 +305,7 @@ class RouterConfig:
             ("drain_timeout_s", 0 <= self.drain_timeout_s < float("inf")),
             ("discover_interval_s", 0 < self.discover_interval_s < float("inf")),
             ("workers", 1 <= self.workers <= 256),
+            ("worker_start_timeout_s", 0 < self.worker_start_timeout_s < float("inf")),
             ("decisions_kept", 1 <= self.decisions_kept <= 1_000_000),
             ("models_interval_s", 0 < self.models_interval_s < float("inf")),
             ("max_connections", 1 <= self.max_connections <= 1_000_000),

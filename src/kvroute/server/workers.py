@@ -10,7 +10,8 @@ Layout
   and stays zero (it routes nothing), worker ``k`` writes row ``k`` (1 ≤ k ≤ N), and the remote row
   after them is for other replicas' announced load. It spawns the workers with the ``multiprocessing``
   spawn context (a fresh interpreter each, given a picklable :class:`WorkerSpec` and the table's
-  registry lock) and waits until each has bound the port.
+  registry lock) and waits until each has bound the port: ``worker_start_timeout_s`` (120 s by
+  default, ``--worker-start-timeout``) for each, else it stops them all and exits with an error.
 - Each **worker** is a whole router (:class:`~kvroute.server.app.RouterServer` on uvloop) listening on
   the same port with ``SO_REUSEPORT``; the kernel picks a worker per new connection (a hash of its
   addresses: a kept-alive connection stays with one worker). Its leases add to its own row and its
@@ -98,7 +99,6 @@ WORKER_HEADER = "x-kvroute-worker"
 RESTART_MIN_S = 0.1
 RESTART_MAX_S = 10.0
 RESTART_RESET_S = 30.0
-START_TIMEOUT_S = 120.0
 ORPHAN_CHECK_S = 1.0
 
 
@@ -364,7 +364,8 @@ class Supervisor:
         at once when stopping (every worker is told to stop; none is awaited, and its pipe may be
         closed)."""
         w = self._procs.get(k)
-        deadline = self.clock() + START_TIMEOUT_S
+        limit = self.config.worker_start_timeout_s
+        deadline = self.clock() + limit
         while True:
             if self._stopping:
                 return
@@ -375,7 +376,10 @@ class Supervisor:
             if not w.process.is_alive() and not w.ready.poll():
                 raise UserError(f"worker {k} exited while starting (status {w.process.exitcode})")
             if self.clock() > deadline:
-                raise UserError(f"worker {k} did not start within {START_TIMEOUT_S:.0f} s")
+                raise UserError(
+                    f"worker {k} did not start within {limit:g} s (--worker-start-timeout, "
+                    "worker_start_timeout_s in the config)"
+                )
             await asyncio.sleep(0.05)
         try:
             kind, detail = w.ready.recv()

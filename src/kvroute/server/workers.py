@@ -26,11 +26,11 @@ Layout
 - **Signals**: SIGTERM/SIGINT to the supervisor are forwarded to every worker, which drains as a single
   process does (:meth:`~kvroute.server.app.RouterServer.shutdown`); a second one is forwarded too (end
   the drain now). A worker still starting gets SIGTERM either way: before its handlers are installed
-  that ends it at once, where a SIGINT would interrupt it mid-start. A worker says it listens only once
-  its handlers are in place, and the supervisor prints its ``kvroute serve: URL ... workers=N`` line
-  once every worker has said so. The supervisor exits 0 once every worker has exited. SIGHUP is forwarded to every
-  worker once it listens (a worker still starting has no handler yet: it gets the SIGHUP when it says it
-  listens). Workers run in their own process group, so a terminal's Ctrl-C reaches each once (through
+  that ends it at once, where a SIGINT would interrupt it mid-start. A worker says it listens only
+  once its handlers are in place, and the supervisor prints its ``kvroute serve: URL ... workers=N``
+  line once every worker has said so. The supervisor exits 0 once every worker has exited. SIGHUP is
+  forwarded to every worker once it listens (a worker still starting has no handler yet: it gets the
+  SIGHUP when it says it listens). Workers run in their own process group, so a terminal's Ctrl-C reaches each once (through
   the supervisor), not twice; a worker whose supervisor vanished (SIGKILL) drains and exits by itself
   (checked every ``ORPHAN_CHECK_S``).
 - **Restarts**: a worker that exits while the supervisor is not stopping is restarted after a backoff

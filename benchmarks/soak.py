@@ -108,6 +108,8 @@ TOKENIZER_CACHE_TOKENS = (
 HOSTILE_EVERY = 20  # valid requests per hostile client case
 TOKEN = "soak-token"
 MAX_BODY = 2 << 20  # bytes: the replicas' --max-body-bytes (a bigger body is a 413)
+WORKER_START_S = 600.0  # the replicas' --worker-start-timeout: at load average 23 to 32 on 2 cores a
+# worker took longer than the default 120 s to start listening
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 # ---- the corpus of bad inputs ----------------------------------------------------------------------
@@ -319,12 +321,13 @@ class Soak:
 
     def start_replica(self, r: Replica) -> None:
         args = ["serve", "--config", str(r.config), "--workers", "2", "--port", str(r.port)]
+        args += ["--worker-start-timeout", str(WORKER_START_S)]
         r.proc = self.fleet.spawn(f"replica-{r.name}", args, r.url)
         r.generation += 1
 
     async def wait_replica(self, r: Replica) -> None:
         assert r.proc is not None
-        await wait_http(r.url, proc=r.proc, timeout_s=240)
+        await wait_http(r.url, proc=r.proc, timeout_s=WORKER_START_S + 60)  # the first worker answers
         for _ in range(600):  # every worker up and answering (fresh connections spread over the
             # listening ones: a worker still starting gets none), every backend admitted
             ok = 0

@@ -3,8 +3,10 @@
 Each request it reads (head up to the blank line, then ``Content-Length`` bytes) is answered by a
 script: a sequence of steps run in order on that connection, each ``bytes`` (written and drained),
 a ``float`` (seconds to sleep) or ``CLOSE`` (close the connection). Whatever the script does, the
-server then goes on reading the next request on the same connection (until it is closed). With
-``tls`` (a server context) it speaks HTTPS.
+server then goes on reading the next request on the same connection (until it is closed). It never
+closes an idle connection itself; ``ended`` holds the numbers of the connections the client closed
+between requests.
+With ``tls`` (a server context) it speaks HTTPS.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class RawUpstream:
         self.url = ""
         self._server: asyncio.Server | None = None
         self._conns = 0
+        self.ended: set[int] = set()  # connections the client closed between requests (EOF at a head)
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: list[asyncio.StreamWriter] = []
 
@@ -98,7 +101,11 @@ class RawUpstream:
             for index in range(1 << 30):
                 try:
                     head = await reader.readuntil(b"\r\n\r\n")
-                except (asyncio.IncompleteReadError, ConnectionError):
+                except asyncio.IncompleteReadError as exc:
+                    if not exc.partial:
+                        self.ended.add(conn)
+                    return
+                except ConnectionError:
                     return
                 lines = head.decode("latin-1").split("\r\n")[1:-2]
                 headers = tuple((k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in lines))

@@ -367,3 +367,23 @@ def test_a_worker_restarted_after_a_sighup_starts_with_the_reloaded_config(
     nothing = Supervisor(start, 2, reloader=Reloader(None, load))  # no --config: nothing to follow
     nothing._on_signal(signal.SIGHUP)
     assert nothing.config == start
+
+
+def test_a_worker_not_listening_in_time_is_one_error_line_naming_the_flag() -> None:
+    """``--worker-start-timeout`` (the config's ``worker_start_timeout_s``, default 120 s): a worker
+    that does not listen within it (none can in 10 ms: a spawned interpreter imports the router
+    first) stops the supervisor with one error line naming the flag, exit status 2, no traceback,
+    and no process of its session left. A real process; a hang guard of 120 s."""
+    import sys
+
+    from .sessionproc import run_in_session
+
+    argv = [sys.executable, "-m", "kvroute.cli", "serve", "--backend", "http://127.0.0.1:9", "--port", "0"]
+    rc, text, left = run_in_session([*argv, "--workers", "2", "--worker-start-timeout", "0.01"])
+    errors = [ln for ln in text.splitlines() if "error" in ln]
+    assert rc == 2 and errors == [
+        "kvroute: error: worker 1 did not start within 0.01 s "
+        "(--worker-start-timeout, worker_start_timeout_s in the config)"
+    ], text
+    assert "Traceback" not in text, text
+    assert left == [], f"processes left behind: {left}"

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
-import signal
 import sys
 from typing import Any
 
@@ -131,6 +129,7 @@ def pd_config(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         discover_kv_events=kv_template,
         limits=client_limits(base),
         max_prompt_tokens=base.max_prompt_tokens,
+        upstream_keepalive_s=base.upstream_keepalive_s,
     )
     try:
         cfg.check()
@@ -145,6 +144,7 @@ def pd_config(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
 
 async def _serve(args: argparse.Namespace) -> None:
     from kvroute.server.pd import PDServer
+    from kvroute.server.run import wait_for_signal
 
     cfg, tok, cost, transfer = pd_config(args)
     from kvroute.commands.settings import backends_from_text
@@ -163,20 +163,13 @@ async def _serve(args: argparse.Namespace) -> None:
     except OSError as exc:
         await server.stop()
         raise UserError(f"cannot listen on {host}:{port}: {exc}") from None
-    print(
+    line = (
         f"kvroute serve (P/D): http://{host}:{bound}/v1 policy={cfg.policy} "
         f"prefill={len(server.pools['prefill'])} decode={len(server.pools['decode'])} "
-        f"discovery sources={len(cfg.discover)} conditional={cfg.conditional}",
-        file=sys.stderr,
-        flush=True,
+        f"discovery sources={len(cfg.discover)} conditional={cfg.conditional}"
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
+    try:  # announced once SIGINT/SIGTERM stop it cleanly (kvroute.server.run: readiness)
+        await wait_for_signal(ready=lambda: print(line, file=sys.stderr, flush=True))
     finally:
         await server.stop()
 

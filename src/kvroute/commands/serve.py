@@ -48,10 +48,19 @@ _SIMPLE = {
     "body_timeout": "body_timeout_s",
     "keepalive_timeout": "keepalive_timeout_s",
     "write_timeout": "write_timeout_s",
+    "upstream_keepalive": "upstream_keepalive_s",
+    "worker_start_timeout": "worker_start_timeout_s",
     "max_prompt_tokens": "max_prompt_tokens",
     "parse_offload": "parse_offload",
 }
-_LIMITS = ("max_connections", "header_timeout", "body_timeout", "keepalive_timeout", "write_timeout")
+_LIMITS = (
+    "max_connections",
+    "header_timeout",
+    "body_timeout",
+    "keepalive_timeout",
+    "write_timeout",
+    "upstream_keepalive",
+)
 
 ADMIN_TOKEN_ENV = "KVROUTE_ADMIN_TOKEN"
 """The admin API's bearer token when ``--admin-token`` is not given (keeps it out of ``ps``)."""
@@ -181,8 +190,12 @@ def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> N
 
 
 def add_limit_arguments(p: argparse.ArgumentParser) -> None:
-    """Limits on clients (kvroute.server.wire.limits); also the config's keys of the same names."""
-    g = p.add_argument_group("limits on clients (also the config's max_connections, *_timeout_s, ... keys)")
+    """Limits on clients (kvroute.server.wire.limits) and on idle upstream connections
+    (kvroute.server.wire.h1); also the config's keys of the same names."""
+    g = p.add_argument_group(
+        "limits on clients and idle upstream connections (also the config's max_connections, *_timeout_s, "
+        "upstream_keepalive_s keys)"
+    )
     g.add_argument(
         "--max-connections",
         type=int,
@@ -198,6 +211,12 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
         g.add_argument(
             f"--{flag}-timeout", type=seconds, metavar="S", help=f"seconds {what} (default {default})"
         )
+    g.add_argument(
+        "--upstream-keepalive",
+        type=seconds,
+        metavar="S",
+        help="seconds an idle pooled connection to an engine is kept open (default 15); then closed",
+    )
     g.add_argument(
         "--max-prompt-tokens",
         type=int,
@@ -295,6 +314,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="router processes sharing the port (SO_REUSEPORT) and one in-flight load table "
         "(default 1: this process); see kvroute.server.workers",
+    )
+    p.add_argument(
+        "--worker-start-timeout",
+        type=seconds,
+        metavar="S",
+        help="with --workers: seconds each worker has to start listening, else serve exits with an "
+        "error (default 120)",
     )
 
 

@@ -49,6 +49,7 @@ from kvroute.server.wire.h1 import H1Transport
 from kvroute.server.wire.http import error_response, expect_continue
 from kvroute.server.wire.httperrors import RateLimitedLog, json_errors
 from kvroute.server.wire.limits import ClientLimits, LimitedRunner
+from kvroute.server.wire.pruning import pruner
 from kvroute.server.wire.transport import Transport, UpstreamError
 from kvroute.server.wire.validate import ApiError
 from kvroute.tokenizer import Tokenizer, load_tokenizer
@@ -109,7 +110,10 @@ class RouterServer:
         config.validate()
         self.config = config
         self.transport: Transport = transport or H1Transport(
-            connect_timeout_s=config.connect_timeout_s, read_timeout_s=config.upstream_timeout_s
+            connect_timeout_s=config.connect_timeout_s,
+            read_timeout_s=config.upstream_timeout_s,
+            keepalive_s=config.upstream_keepalive_s,
+            clock=clock,
         )
         tok = tokenizer or load_tokenizer(config.tokenizer, chat_template=config.chat_template)
         self.state = RouterState(
@@ -136,8 +140,7 @@ class RouterServer:
         self.background = background
         self.subscribers: list[EventSubscriber] = []  # live KV event subscribers (the fleet's)
         # a removed backend's pooled connections are closed (the default transport keeps a pool per URL)
-        prune = self.transport.prune if isinstance(self.transport, H1Transport) else None
-        self.fleet = Fleet(self.state, self.monitor, self.subscribers, prune)
+        self.fleet = Fleet(self.state, self.monitor, self.subscribers, pruner(self.transport))
         self.discovery = Discovery(config, self.fleet, resolve, parse_backends)
         self._tasks: list[asyncio.Task[None]] = []
         self._runner: web.AppRunner | None = None

@@ -22,6 +22,7 @@ The command-line flags and the YAML file that build it are read by :mod:`kvroute
     body_timeout_s: 60.0                      # its whole body, from the end of the head; then 408, closed
     keepalive_timeout_s: 75.0                 # an idle client connection is closed after this
     write_timeout_s: 30.0                     # a client that stops reading: its request is ended
+    upstream_keepalive_s: 15.0                # an idle pooled connection to an engine is closed after this
     max_prompt_tokens: 262144                 # when no backend lists max_model_len; beyond: a 400
     parse_offload: process                    # bodies from parse_offload_bytes parsed off the loop
     parse_offload_bytes: 1048576
@@ -39,6 +40,7 @@ The command-line flags and the YAML file that build it are read by :mod:`kvroute
     peer_expiry_s: 3.0                        # a silent peer's reservations vanish after this
     peer_refresh_s: 1.0                       # each replica re-announces its whole load this often
     workers: 1                                # `kvroute serve` processes sharing the port (SO_REUSEPORT)
+    worker_start_timeout_s: 120.0             # each worker must listen within this, else serve fails
     explain: false                            # every response carries x-kvroute-* explanation headers
     decisions_kept: 1000                      # decision records kept for GET /debug/decisions
     access_log: null                          # JSON lines access log: a file path, or - for stdout
@@ -167,6 +169,9 @@ class RouterConfig:
       request: the engine's request is aborted (its upstream connection is closed), the lease is
       released and the client's connection is closed; the last writes of a whole (buffered)
       answer get as long, then the connection is closed.
+    - ``upstream_keepalive_s``: a pooled keep-alive connection to an engine that has carried no
+      request for this many seconds is closed (checked every 50 ms; an engine without an idle timeout
+      of its own would otherwise keep it open for ever).
     - ``max_prompt_tokens``: the longest prompt (tokens) routed when no backend's ``/v1/models``
       lists a ``max_model_len``; when some do, the largest of theirs minus one is the cap (vLLM
       refuses a prompt of ``max_model_len`` tokens or more). A longer prompt is a 400, checked
@@ -196,6 +201,7 @@ class RouterConfig:
     body_timeout_s: float = 60.0
     keepalive_timeout_s: float = 75.0
     write_timeout_s: float = 30.0
+    upstream_keepalive_s: float = 15.0
     max_prompt_tokens: int = 262144
     parse_offload: str = "process"
     parse_offload_bytes: int = 1024 * 1024
@@ -229,6 +235,7 @@ class RouterConfig:
     peer_refresh_s: float = 1.0
     models_interval_s: float = 10.0
     workers: int = 1  # `kvroute serve` processes on the port (kvroute.server.workers); 1: this process
+    worker_start_timeout_s: float = 120.0  # with workers > 1: each must listen within this, else an error
     explain: bool = False
     decisions_kept: int = 1000
     access_log: str | None = None
@@ -298,12 +305,14 @@ class RouterConfig:
             ("drain_timeout_s", 0 <= self.drain_timeout_s < float("inf")),
             ("discover_interval_s", 0 < self.discover_interval_s < float("inf")),
             ("workers", 1 <= self.workers <= 256),
+            ("worker_start_timeout_s", 0 < self.worker_start_timeout_s < float("inf")),
             ("decisions_kept", 1 <= self.decisions_kept <= 1_000_000),
             ("models_interval_s", 0 < self.models_interval_s < float("inf")),
             ("max_connections", 1 <= self.max_connections <= 1_000_000),
             ("header_timeout_s", 0 < self.header_timeout_s < float("inf")),
             ("body_timeout_s", 0 < self.body_timeout_s < float("inf")),
             ("keepalive_timeout_s", 0 < self.keepalive_timeout_s < float("inf")),
+            ("upstream_keepalive_s", 0 < self.upstream_keepalive_s < float("inf")),
             ("write_timeout_s", 0 < self.write_timeout_s < float("inf")),
             ("max_prompt_tokens", self.max_prompt_tokens >= 1),
             ("parse_offload_bytes", self.parse_offload_bytes >= 0),

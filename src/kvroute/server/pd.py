@@ -77,6 +77,7 @@ from kvroute.server.wire.http import expect_continue
 from kvroute.server.wire.httperrors import RateLimitedLog, json_errors
 from kvroute.server.wire.limits import ClientLimits, LimitedRunner, read_body_within
 from kvroute.server.wire.pdrelay import LegFailed, relay_stream, relay_whole
+from kvroute.server.wire.pruning import prune_every, pruner
 from kvroute.server.wire.relay import timed_out
 from kvroute.server.wire.transport import (
     Transport,
@@ -112,7 +113,8 @@ class PDConfig:
     ``discover_interval_s`` s; ``discover_kv_events``: a DNS-discovered instance's KV event endpoint
     (``{host}`` template; None: approximate view). ``limits``: the client connections' cap and
     timeouts, as in colocated mode (:mod:`kvroute.server.wire.limits`); ``max_prompt_tokens``: a
-    longer prompt is a 400, checked before it is hashed."""
+    longer prompt is a 400, checked before it is hashed; ``upstream_keepalive_s``: a pooled
+    connection to an instance idle for longer is closed (as ``RouterConfig.upstream_keepalive_s``)."""
 
     prefill: tuple[PDBackend, ...]
     decode: tuple[PDBackend, ...]
@@ -131,6 +133,7 @@ class PDConfig:
         default_factory=ClientLimits
     )  # client connections: cap and timeouts (wire.limits)
     max_prompt_tokens: int = 262144  # the longest prompt routed (tokens); beyond it a 400
+    upstream_keepalive_s: float = 15.0  # an idle pooled upstream connection is closed after this
 
     def check(self) -> None:
         if not self.decode and not any(role in (None, "decode") for role, _ in self.discover):
@@ -148,13 +151,19 @@ class PDConfig:
         if len(set(urls)) != len(urls):
             raise ValueError("an instance may be listed once, as --prefill or as --decode")
         lim = self.limits
-        timeouts = (lim.header_timeout_s, lim.body_timeout_s, lim.keepalive_timeout_s, lim.write_timeout_s)
+        timeouts = (
+            lim.header_timeout_s,
+            lim.body_timeout_s,
+            lim.keepalive_timeout_s,
+            lim.write_timeout_s,
+            self.upstream_keepalive_s,
+        )
         if (
             lim.max_connections < 1
             or self.max_prompt_tokens < 1
             or not all(0 < t < float("inf") for t in timeouts)
         ):
-            raise ValueError("max_connections, max_prompt_tokens and the client timeouts must be positive")
+            raise ValueError("max_connections, max_prompt_tokens and the timeouts must be positive")
         if self.block_size <= 0 or self.max_retries < 0 or self.scrape_interval <= 0:
             raise ValueError("block size and scrape interval must be positive, max retries >= 0")
 
@@ -186,7 +195,9 @@ class PDServer:
         self.config = config
         self.tokenizer = RequestTokenizer(tokenizer)
         self.clock = clock
-        self.transport = transport or H1Transport(connect_timeout_s=config.connect_timeout_s)
+        self.transport = transport or H1Transport(
+            connect_timeout_s=config.connect_timeout_s, keepalive_s=config.upstream_keepalive_s, clock=clock
+        )
         cores = {}
         for role in ROLES:
             kv = KVView(0, config.block_size, capacity_blocks=16384, ttl_s=None, recovery_s=0.0)
@@ -248,6 +259,9 @@ class PDServer:
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._scrape_loop()))
+        prune = pruner(self.transport)
+        if prune is not None:  # instances gone, connections idle too long (kvroute.server.wire.pruning)
+            self._tasks.append(loop.create_task(prune_every(prune, self._listed)))
         for pool in ROLES:
             for inst in self.pools[pool].values():
                 self._subscribe(pool, inst)
@@ -255,6 +269,10 @@ class PDServer:
             await self._poll(role, source)  # the first look before serving
             self._tasks.append(loop.create_task(self._watch(role, source)))
         return self.port
+
+    def _listed(self) -> set[str]:
+        """The base URLs of the instances listed now, in either role."""
+        return {*self.members.urls("prefill"), *self.members.urls("decode")}
 
     def _subscribe(self, role: str, inst: PDInstance) -> None:
         """Follow ``inst``'s KV events into its role's view (nothing without an endpoint)."""

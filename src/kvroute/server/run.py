@@ -10,6 +10,12 @@ the command-line flags over it as at start, and applies the backends, the policy
 (:meth:`RouterServer.apply_config`; requests in flight are not touched); one line on stderr says what
 changed. A file that cannot be read or is invalid is rejected with one line naming it and the error,
 and the old config stays. Without ``--config`` a line says there is nothing to reload.
+
+Readiness: every front door (``serve``, each worker of ``serve --workers``, ``serve`` in P/D mode,
+``epp``, ``up``) announces that it listens from the ``ready`` callback of :func:`serve_until_signal`
+or :func:`wait_for_signal`, which runs once these handlers are in place: a SIGINT sent on reading the
+announcement always drains. Before them it reached asyncio's own SIGINT handler, which cancels the
+main task mid-start (a traceback, exit status 130, or a hang).
 """
 
 from __future__ import annotations
@@ -119,9 +125,12 @@ class Signals:
             self.hurry.set()
 
 
-async def wait_for_signal() -> None:
-    """Return on SIGINT or SIGTERM (SIGHUP is logged and ignored)."""
+async def wait_for_signal(ready: Callable[[], object] | None = None) -> None:
+    """Return on SIGINT or SIGTERM (SIGHUP is logged and ignored); ``ready()`` runs once the handlers
+    are in place (see :func:`serve_until_signal`)."""
     with Signals() as signals:
+        if ready is not None:
+            ready()
         await signals.stop.wait()
 
 

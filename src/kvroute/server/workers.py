@@ -10,7 +10,8 @@ Layout
   and stays zero (it routes nothing), worker ``k`` writes row ``k`` (1 ≤ k ≤ N), and the remote row
   after them is for other replicas' announced load. It spawns the workers with the ``multiprocessing``
   spawn context (a fresh interpreter each, given a picklable :class:`WorkerSpec` and the table's
-  registry lock) and waits until each has bound the port.
+  registry lock) and waits until each has bound the port: ``worker_start_timeout_s`` (120 s by
+  default, ``--worker-start-timeout``) for each, else it stops them all and exits with an error.
 - Each **worker** is a whole router (:class:`~kvroute.server.app.RouterServer` on uvloop) listening on
   the same port with ``SO_REUSEPORT``; the kernel picks a worker per new connection (a hash of its
   addresses: a kept-alive connection stays with one worker). Its leases add to its own row and its
@@ -24,9 +25,12 @@ Layout
   machine; every worker publishes its own reservations under the machine's replica id.
 - **Signals**: SIGTERM/SIGINT to the supervisor are forwarded to every worker, which drains as a single
   process does (:meth:`~kvroute.server.app.RouterServer.shutdown`); a second one is forwarded too (end
-  the drain now). The supervisor exits 0 once every worker has exited. SIGHUP is forwarded to every
-  worker once it listens (a worker still starting has no handler yet: it gets the SIGHUP when it says it
-  listens). Workers run in their own process group, so a terminal's Ctrl-C reaches each once (through
+  the drain now). A worker still starting gets SIGTERM either way: before its handlers are installed
+  that ends it at once, where a SIGINT would interrupt it mid-start. A worker says it listens only
+  once its handlers are in place, and the supervisor prints its ``kvroute serve: URL ... workers=N``
+  line once every worker has said so. The supervisor exits 0 once every worker has exited. SIGHUP is
+  forwarded to every worker once it listens (a worker still starting has no handler yet: it gets the
+  SIGHUP when it says it listens). Workers run in their own process group, so a terminal's Ctrl-C reaches each once (through
   the supervisor), not twice; a worker whose supervisor vanished (SIGKILL) drains and exits by itself
   (checked every ``ORPHAN_CHECK_S``).
 - **Restarts**: a worker that exits while the supervisor is not stopping is restarted after a backoff
@@ -95,7 +99,6 @@ WORKER_HEADER = "x-kvroute-worker"
 RESTART_MIN_S = 0.1
 RESTART_MAX_S = 10.0
 RESTART_RESET_S = 30.0
-START_TIMEOUT_S = 120.0
 ORPHAN_CHECK_S = 1.0
 
 
@@ -206,10 +209,10 @@ async def _serve(spec: WorkerSpec, table: LoadTable, ready: Connection) -> int:
         with contextlib.suppress(OSError):
             ready.send(("error", f"{type(exc).__name__}: {exc}"))
         raise
-    ready.send(("ready", server.url))
+    url = server.url
     watch = asyncio.create_task(_orphan_watch(parent))
-    try:
-        await serve_until_signal(server, spec.reloader)
+    try:  # "ready" once SIGTERM/SIGINT drain (kvroute.server.run: readiness)
+        await serve_until_signal(server, spec.reloader, lambda: ready.send(("ready", url)))
     finally:
         watch.cancel()
     return 0
@@ -306,11 +309,12 @@ class Supervisor:
             host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
             self.url = f"http://{host}:{port}"
             modes = ", ".join(f"{b.url} ({'exact' if b.kv_events else 'approx'})" for b in cfg.backends)
-            print(
-                f"kvroute serve: {self.url}/v1 policy={cfg.policy} workers={self.workers} backends: {modes}",
-                file=sys.stderr,
-                flush=True,
-            )
+            if not self._stopping:  # every worker drains a SIGINT/SIGTERM from now on (they said so)
+                print(
+                    f"kvroute serve: {self.url}/v1 policy={cfg.policy} workers={self.workers} backends: {modes}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             await self._all_exited.wait()
             return 0
         finally:
@@ -356,18 +360,26 @@ class Supervisor:
         asyncio.get_running_loop().add_reader(proc.sentinel, self._on_exit, k)
 
     async def _await_ready(self, k: int) -> None:
-        """Wait until worker ``k`` listens; raises UserError if it reports an error or exits."""
+        """Wait until worker ``k`` listens; raises UserError if it reports an error or exits. Returns
+        at once when stopping (every worker is told to stop; none is awaited, and its pipe may be
+        closed)."""
         w = self._procs.get(k)
-        if w is None:
-            raise UserError(f"worker {k} exited while starting")
-        deadline = self.clock() + START_TIMEOUT_S
-        while not w.ready.poll():
+        limit = self.config.worker_start_timeout_s
+        deadline = self.clock() + limit
+        while True:
             if self._stopping:
                 return
+            if w is None:
+                raise UserError(f"worker {k} exited while starting")
+            if w.ready.poll():
+                break
             if not w.process.is_alive() and not w.ready.poll():
                 raise UserError(f"worker {k} exited while starting (status {w.process.exitcode})")
             if self.clock() > deadline:
-                raise UserError(f"worker {k} did not start within {START_TIMEOUT_S:.0f} s")
+                raise UserError(
+                    f"worker {k} did not start within {limit:g} s (--worker-start-timeout, "
+                    "worker_start_timeout_s in the config)"
+                )
             await asyncio.sleep(0.05)
         try:
             kind, detail = w.ready.recv()
@@ -461,13 +473,15 @@ class Supervisor:
             if not self._procs:
                 self._all_exited.set()
         for w in list(self._procs.values()):
-            if sig == signal.SIGHUP and not w.listening:
-                # still starting: its handlers are not installed yet, and a SIGHUP would kill it
-                w.pending_hup = True
-                continue
+            forward = sig
+            if not w.listening:  # still starting: its handlers may not be installed yet
+                if sig == signal.SIGHUP:  # it would kill it: held until it listens
+                    w.pending_hup = True
+                    continue
+                forward = signal.SIGTERM  # ends it at once, where SIGINT raised mid-start (a traceback)
             if w.process.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(w.process.pid, sig)
+                    os.kill(w.process.pid, forward)
 
     def _kill_all(self, grace_s: float = 5.0) -> None:
         """Last resort on the way out (errors, or workers still alive): SIGTERM, then SIGKILL."""

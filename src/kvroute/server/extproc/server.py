@@ -160,13 +160,11 @@ def serve_epp(
             raise
         gc.freeze()  # what start-up built lives as long as the process (see serve_forever)
         mode = "metadata only" if metadata_only else "header and metadata"
-        print(
+        line = (
             f"kvroute epp: ext_proc on {server.grpc_address} ({mode}; gRPC health: liveness, readiness) "
-            f"policy={config.policy} backends: {len(config.backends)}; metrics and dashboard: {url}",
-            file=sys.stderr,
-            flush=True,
-        )
-        await serve_until_signal(server, reloader)
+            f"policy={config.policy} backends: {len(config.backends)}; metrics and dashboard: {url}"
+        )  # announced once the signal handlers are in place (kvroute.server.run: readiness)
+        await serve_until_signal(server, reloader, lambda: print(line, file=sys.stderr, flush=True))
         return 0
 
     return run_loop(main)

@@ -43,6 +43,11 @@ Behaviour (the :class:`~kvroute.server.wire.transport.Transport` contract):
   closes it, and the pool checks the socket for waiting bytes before it hands a connection out.
   At most ``max_idle`` idle connections per backend; ``abort()`` closes the connection, which a
   vLLM-style engine takes as a cancelled request;
+- a connection idle in the pool for more than ``keepalive_s`` seconds (the injected ``clock``) is
+  closed: by :meth:`H1Transport.prune` (every 50 ms, :mod:`kvroute.server.wire.pruning`), and
+  by the pool before it would hand it out. Without it, a connection would stay open until the engine
+  closes it, which an engine without an idle timeout never does (15 s by default, as aiohttp's
+  connector's ``keepalive_timeout``);
 - reading pauses when more than ``_HIGH_WATER`` bytes are buffered (a slow client), so a stream is
   never buffered without bound;
 - **a stray response is never taken for the answer**: when the request carries ``x-request-id``
@@ -69,7 +74,8 @@ import contextlib
 import logging
 import select
 import ssl
-from collections.abc import AsyncIterator, Collection, Mapping
+import time
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from urllib.parse import urlsplit
 
 import httptools
@@ -120,6 +126,7 @@ class _Conn(asyncio.Protocol):
         self.reused = False  # has served a response before (pooled)
         self.timed_out = False
         self.paused = False  # reading paused (too much body buffered); never reset but by take()
+        self.idle_since = 0.0  # when it last went back to the pool (the pool's clock, seconds)
         self._begin()
 
     def _begin(self) -> None:
@@ -370,11 +377,39 @@ class _H1Response:
 
 
 class _Pool:
-    """Idle keep-alive connections to one ``host:port`` (most recently used first out)."""
+    """Idle keep-alive connections to one ``host:port`` (most recently used first out).
 
-    __slots__ = ("base", "host", "hostport", "idle", "live", "max_idle", "port", "prefix", "retired", "tls")
+    Invariant: ``idle`` is in the order the connections went idle (``idle_since`` never decreases
+    along it; ``clock`` is monotonic): the oldest first, the next one handed out last. A connection
+    idle for more than ``keepalive_s`` seconds (None: no limit) is closed, never handed out."""
 
-    def __init__(self, host: str, port: int, max_idle: int, tls: bool = False, prefix: str = "") -> None:
+    __slots__ = (
+        "base",
+        "clock",
+        "host",
+        "hostport",
+        "idle",
+        "keepalive_s",
+        "live",
+        "max_idle",
+        "port",
+        "prefix",
+        "retired",
+        "tls",
+    )
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        max_idle: int,
+        tls: bool = False,
+        prefix: str = "",
+        keepalive_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.keepalive_s = keepalive_s
+        self.clock = clock
         self.host = host
         self.port = port
         self.tls = tls
@@ -388,6 +423,8 @@ class _Pool:
 
     def get(self) -> _Conn | None:
         idle = self.idle
+        if idle and self.keepalive_s is not None:
+            self.expire(self.clock() - self.keepalive_s)
         while idle:
             conn = idle.pop()
             if conn.closed:
@@ -401,7 +438,19 @@ class _Pool:
         if self.retired or len(self.idle) >= self.max_idle:
             conn.close()
         else:
+            conn.idle_since = self.clock()
             self.idle.append(conn)
+
+    def expire(self, cutoff: float) -> int:
+        """Close the idle connections that went idle before ``cutoff`` (the pool's clock); returns
+        how many."""
+        idle = self.idle
+        n = 0
+        while n < len(idle) and idle[n].idle_since < cutoff:
+            idle[n].close()
+            n += 1
+        del idle[:n]
+        return n
 
     def retire(self) -> None:
         """Close the idle connections now, and each one in use when its response is released."""
@@ -419,7 +468,9 @@ class _Pool:
 
 class H1Transport:
     """The router's default transport (see the module docstring). Create and use it inside one
-    event loop; ``close()`` closes the idle connections (and the fallback's session)."""
+    event loop; ``close()`` closes the idle connections (and the fallback's session).
+    ``keepalive_s``: the longest a connection waits idle in a pool (None: until the engine closes
+    it), by ``clock`` (monotonic seconds)."""
 
     def __init__(
         self,
@@ -428,7 +479,11 @@ class H1Transport:
         max_idle: int = 256,
         fallback: Transport | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        keepalive_s: float | None = 15.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._keepalive_s = keepalive_s
+        self._clock = clock
         self._connect_timeout_s = connect_timeout_s
         self._ssl = ssl_context  # for https backends (None: the system's default, made when needed)
         self._read_timeout_s = read_timeout_s
@@ -453,7 +508,10 @@ class H1Transport:
             except ValueError:  # a malformed port: let aiohttp report it
                 port = -1
             if port > 0:
-                pool = _Pool(parts.hostname, port, self._max_idle, tls, parts.path.rstrip("/"))
+                prefix = parts.path.rstrip("/")
+                pool = _Pool(
+                    parts.hostname, port, self._max_idle, tls, prefix, self._keepalive_s, self._clock
+                )
         self._pools[base_url] = pool
         return pool
 
@@ -573,10 +631,16 @@ class H1Transport:
 
     def prune(self, keep: Collection[str]) -> None:
         """:meth:`forget` every base URL with a pool that is not in ``keep`` (the backends listed
-        now). Called again and again, it also catches a pool made for a removed backend after its
-        removal (a health check or scrape that began before it)."""
+        now), and close every connection idle for more than ``keepalive_s`` seconds by the
+        injected clock's now. Called again and again, it also catches a pool made for a removed
+        backend after its removal (a health check or scrape that began before it)."""
         for url in [u for u in self._pools if u not in keep]:
             self.forget(url)
+        if self._keepalive_s is not None:
+            cutoff = self._clock() - self._keepalive_s
+            for pool in self._pools.values():
+                if pool is not None and pool.idle:
+                    pool.expire(cutoff)
 
     async def close(self) -> None:
         for pool in self._pools.values():

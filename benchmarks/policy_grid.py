@@ -204,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             row: dict[str, Any] = {
                 "preemptions": sum(by[k]["preemptions"] for k in samples),
                 "unfinished": sum(by[k]["unfinished"] for k in samples),
+                # per sample, so that any arm can be read as the candidate later (--render --candidate)
+                "samples": {str(k): {f"{m}_{q}": by[k][m][q] for m, q in METRICS} for k in samples},
             }
             for m, q in METRICS:
                 vals = [by[k][m][q] for k in samples]

@@ -217,13 +217,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.render:
-        report = json.loads(Path(args.render).read_text())
+        shown = json.loads(Path(args.render).read_text())
         if (
             "--candidate" in (sys.argv[1:] if argv is None else argv)
-            and args.candidate != report["candidate"]
+            and args.candidate != shown["candidate"]
         ):
-            report = recandidate(report, args.candidate)
-        print(render(report), end="")
+            shown = recandidate(shown, args.candidate)
+        print(render(shown), end="")
         return 0
     if not args.out:
         ap.error("--out is required to run the grid")

@@ -142,6 +142,54 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def summarize(cells: dict[str, Any], cand: str, quiet: bool = False) -> dict[str, Any]:
+    """Per cell, per arm: the mean of each metric over the samples, the per-sample figures and the
+    paired difference to ``cand``. ``cells``: key → {"rate_scale", "arms": arm → sample → figures}."""
+    out: dict[str, Any] = {}
+    for key, c in cells.items():
+        base = c["arms"][cand]
+        samples = sorted(base)
+        rows = {}
+        for arm, by in c["arms"].items():
+            row: dict[str, Any] = {
+                "preemptions": sum(by[k]["preemptions"] for k in samples),
+                "unfinished": sum(by[k]["unfinished"] for k in samples),
+                # per sample, so that any arm can be read as the candidate later (--render --candidate)
+                "samples": {str(k): dict(by[k]) for k in samples},
+            }
+            for m, q in METRICS:
+                vals = [by[k][f"{m}_{q}"] for k in samples]
+                row[f"{m}_{q}"] = statistics.fmean(vals)
+                if arm != cand:
+                    d, lo, hi = paired(vals, [base[k][f"{m}_{q}"] for k in samples])
+                    row[f"{m}_{q}_vs"] = [round(d, 4), round(lo, 4), round(hi, 4), verdict(lo, hi)]
+            rows[arm] = row
+        out[key] = {"rate_scale": c["rate_scale"], "samples": len(samples), "arms": rows}
+        if not quiet:
+            loses = [f"{arm}:{m}_{q}" for arm, m, q, _ in losses(rows, cand)]
+            print(
+                f"{key}: {cand} ttft mean {rows[cand]['ttft_ms_mean']:.1f} p99 {rows[cand]['ttft_ms_p99']:.1f}; "
+                f"loses to: {', '.join(loses) or 'none'}",
+                file=sys.stderr,
+            )
+    return out
+
+
+def recandidate(report: dict[str, Any], cand: str) -> dict[str, Any]:
+    """``report`` read against another of its arms (needs the per-sample figures)."""
+    cells = {
+        key: {
+            "rate_scale": c["rate_scale"],
+            "arms": {
+                arm: {k: {"preemptions": 0, "unfinished": 0, **v} for k, v in row["samples"].items()}
+                for arm, row in c["arms"].items()
+            },
+        }
+        for key, c in report["cells"].items()
+    }
+    return {**report, "candidate": cand, "cells": summarize(cells, cand, quiet=True)}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -162,10 +210,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--trace-samples", type=int, default=3, help="replays per trace cell (perturbed rates)")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--out", help="JSON file to write")
-    ap.add_argument("--render", help="print the markdown table of this grid JSON and exit (runs nothing)")
+    ap.add_argument(
+        "--render",
+        help="print the markdown table of this grid JSON and exit (runs nothing); with --candidate, "
+        "read against that arm (grids that kept per-sample figures)",
+    )
     args = ap.parse_args(argv)
     if args.render:
-        print(render(json.loads(Path(args.render).read_text())), end="")
+        shown = json.loads(Path(args.render).read_text())
+        if (
+            "--candidate" in (sys.argv[1:] if argv is None else argv)
+            and args.candidate != shown["candidate"]
+        ):
+            shown = recandidate(shown, args.candidate)
+        print(render(shown), end="")
         return 0
     if not args.out:
         ap.error("--out is required to run the grid")
@@ -182,8 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         key = f"{wl}/{n}/{label}"
         c = cells.setdefault(key, {"rate_scale": spec.rate_scale, "arms": {}})
         c["arms"].setdefault(arm, {})[sample] = {
-            "ttft_ms": s["ttft_ms"],
-            "tpot_ms": s["tpot_ms"],
+            **{f"{m}_{q}": s[m][q] for m, q in METRICS},
             "unfinished": s["unfinished"],
             "preemptions": s["preemptions"],
             "kv_hit_rate": s.get("kv_hit_rate"),
@@ -195,30 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "loadavg": Path("/proc/loadavg").read_text().split()[:3],
         "cells": {},
     }
-    cand = args.candidate
-    for key, c in cells.items():
-        base = c["arms"][cand]
-        samples = sorted(base)
-        rows = {}
-        for arm, by in c["arms"].items():
-            row: dict[str, Any] = {
-                "preemptions": sum(by[k]["preemptions"] for k in samples),
-                "unfinished": sum(by[k]["unfinished"] for k in samples),
-            }
-            for m, q in METRICS:
-                vals = [by[k][m][q] for k in samples]
-                row[f"{m}_{q}"] = statistics.fmean(vals)
-                if arm != cand:
-                    d, lo, hi = paired(vals, [base[k][m][q] for k in samples])
-                    row[f"{m}_{q}_vs"] = [round(d, 4), round(lo, 4), round(hi, 4), verdict(lo, hi)]
-            rows[arm] = row
-        report["cells"][key] = {"rate_scale": c["rate_scale"], "samples": len(samples), "arms": rows}
-        loses = [f"{arm}:{m}_{q}" for arm, m, q, _ in losses(rows, cand)]
-        print(
-            f"{key}: {cand} ttft mean {rows[cand]['ttft_ms_mean']:.1f} p99 {rows[cand]['ttft_ms_p99']:.1f}; "
-            f"loses to: {', '.join(loses) or 'none'}",
-            file=sys.stderr,
-        )
+    report["cells"] = summarize(cells, args.candidate)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     return 0

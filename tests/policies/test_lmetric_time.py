@@ -99,6 +99,26 @@ def test_queued_prefill_counts_as_kv_demand() -> None:
     assert policy.choose(r, views).choice == 0
 
 
+def test_own_modes_count_the_blocks_the_request_would_add_where_its_prefix_is_not_cached() -> None:
+    # both pools hold 100 of 500 blocks; the request's 3,200-token prompt (200 blocks) is cached on 0
+    # up to 3,040 tokens (190 blocks), so it adds 10 blocks there and 200 on 1
+    views = [
+        InstanceView(index=i, running=1, decode_blocks=100, kv_capacity_blocks=500, max_batched_tokens=4096)
+        for i in range(2)
+    ]
+    r = RequestView(prompt_tokens=3200, cached_tokens=(3040, 0), block_size=16)
+    own = LMetricTime(LinearCost(), kv="heldown")
+    assert own.factor(r, views[0], 3040) == pytest.approx(500 / (500 - 110))
+    assert own.factor(r, views[1], 0) == pytest.approx(500 / (500 - 300))
+    # "own" adds the queue's blocks as "demand" does: 1,600 queued tokens = 100 blocks
+    q = InstanceView(
+        index=1, running=1, decode_blocks=100, queued_prefill_tokens=1600, kv_capacity_blocks=500
+    )
+    assert LMetricTime(LinearCost(), kv="own").factor(r, q, 0) == pytest.approx(500 / (500 - 400))
+    assert own.factor(r, q, 0) == pytest.approx(500 / (500 - 300))  # heldown leaves the queue out
+    assert make_policy("lmetric-time:heldown").choose(r, views).choice == 0
+
+
 def test_kv_demand_factor_edges() -> None:
     assert kv_demand_factor(0, 123.0) == 1.0  # capacity unknown
     assert kv_demand_factor(100, 0.0) == 1.0

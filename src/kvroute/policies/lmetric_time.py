@@ -42,8 +42,10 @@ chunk costs on that instance now, and the score is scaled by the pool's projecte
 Units: seconds from the cost model (any constant factor cancels: only the order matters), requests,
 blocks. No hyperparameter: B, the block size and C are the engine's config and live state; the step
 times come from ``cost``, which the registry (``lmetric-time``) takes from the default profile
-whatever engine runs behind (only the relative prices matter). The ``kv`` argument is for ablations (``held``: U = ``decode_blocks`` only, the
-``lmetric-kv`` factor; ``off``: K = 1).
+whatever engine runs behind (only the relative prices matter). The ``kv`` argument is for ablations
+(``held``: U = ``decode_blocks`` only, the ``lmetric-kv`` factor; ``off``: K = 1; ``own``: U also
+counts the blocks the request itself would add there, its uncached prompt; ``heldown``: held blocks
+plus the request's own, without the queue).
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ __all__ = ["DEFAULT_CHUNK", "KV_MODES", "LMetricTime", "kv_demand_factor"]
 DEFAULT_CHUNK = 4096
 """The chunk budget B (tokens) assumed when an instance does not report ``max_batched_tokens``."""
 
-KV_MODES = ("demand", "held", "off")
-"""How K counts KV use: held plus queued blocks (the policy), held blocks only, or not at all."""
+KV_MODES = ("demand", "held", "off", "own", "heldown")
+"""How K counts KV use: held plus queued blocks (the policy), held blocks only, not at all, held plus
+queued plus the request's own new blocks, held plus the request's own new blocks."""
 
 
 def kv_demand_factor(capacity: int, demand: float) -> float:
@@ -97,13 +100,16 @@ class LMetricTime:
         t_wait = q / chunk * step(((chunk, 0),), nd, ctx) if q else 0.0
         return t_wait, p / chunk * step(((chunk, cached + p // 2),), nd, ctx)
 
-    def factor(self, request: RequestView, view: InstanceView) -> float:
+    def factor(self, request: RequestView, view: InstanceView, cached: int = 0) -> float:
         """K of ``view`` (module docstring; 1 with ``kv="off"``)."""
         if self.kv == "off":
             return 1.0
+        bsz = max(request.block_size, 1)
         demand = float(view.decode_blocks)
-        if self.kv == "demand":
-            demand += view.queued_prefill_tokens / max(request.block_size, 1)
+        if self.kv in ("demand", "own"):
+            demand += view.queued_prefill_tokens / bsz
+        if self.kv in ("own", "heldown"):
+            demand += max(request.prompt_tokens - cached, 0) / bsz
         return kv_demand_factor(view.kv_capacity_blocks, demand)
 
     def parts(
@@ -114,7 +120,11 @@ class LMetricTime:
         BS from these for request classes and load-adaptive weighting."""
         check_inputs(request, instances)
         times = [self.times(request, v, c) for c, v in zip(request.cached_tokens, instances, strict=True)]
-        return times, [v.running + v.waiting for v in instances], [self.factor(request, v) for v in instances]
+        return (
+            times,
+            [v.running + v.waiting for v in instances],
+            [self.factor(request, v, c) for c, v in zip(request.cached_tokens, instances, strict=True)],
+        )
 
     def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
         """Pick the instance with the lowest (T_wait + T_own) × (BS + 1) × K."""

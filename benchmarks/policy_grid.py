@@ -218,10 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.render:
         shown = json.loads(Path(args.render).read_text())
-        if (
-            "--candidate" in (sys.argv[1:] if argv is None else argv)
-            and args.candidate != shown["candidate"]
-        ):
+        if "--candidate" in (sys.argv[1:] if argv is None else argv) and args.candidate != shown["candidate"]:
             shown = recandidate(shown, args.candidate)
         print(render(shown), end="")
         return 0

@@ -150,6 +150,18 @@ def _brackets(xs: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
     return lo, hi, (qc - xs[lo]) / (xs[hi] - xs[lo])
 
 
+def _brackets_extrap(xs: np.ndarray, widths: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, t) of :func:`_bracket` for an array of queries, with its float operations: t = 0 at or
+    below ``xs[0]``, t > 1 above the top (the last two points), else ``(q − xs[lo]) / (xs[lo + 1] −
+    xs[lo])`` (``widths``: those differences, precomputed). At least two points. Where the scalar
+    bracket has ``hi = lo`` (t = 0), ``lo + 1`` stands in: a weight of 0 on a finite value adds 0."""
+    lo = np.searchsorted(xs, q, side="right") - 1
+    np.maximum(lo, 0, out=lo)
+    np.minimum(lo, len(xs) - 2, out=lo)
+    t = (q - xs[lo]) / widths[lo]
+    return lo, np.maximum(t, 0.0, out=t)  # t < 0 only below xs[0]
+
+
 @dataclass(frozen=True, slots=True)
 class Table1D:
     """y(x) by linear interpolation on sorted ``xs`` (clamped below, extrapolated above); y in µs."""
@@ -215,6 +227,9 @@ class AttentionGrid:
     """
 
     __slots__ = (
+        "_array",
+        "_axes",
+        "_corners",
         "_least",
         "_nd_stride",
         "_pc_stride",
@@ -257,6 +272,22 @@ class AttentionGrid:
         self._slope = full[-1] - full[-2] if len(self.pcs) > 1 else np.zeros_like(full[-1])
         self._pc_stride = len(self.nds) * len(self.kps) * len(self.kvs)
         self._nd_stride = len(self.kps) * len(self.kvs)
+        # For :meth:`many`: the values, each axis with its segment widths (a one-point axis gets a
+        # second point, never used: its t is 0), and the 16 corners' offsets from the lowest one,
+        # ordered [pc][nd][kp][kv] (0 on a one-point axis, whose corners coincide).
+        self._array = full.ravel()
+        self._axes: list[tuple[np.ndarray, np.ndarray]] = []
+        steps = []
+        for axis, stride in zip(
+            (self.pcs, self.nds, self.kps, self.kvs),
+            (self._pc_stride, self._nd_stride, len(self.kvs), 1),
+            strict=True,
+        ):
+            xs = np.asarray(axis if len(axis) > 1 else (axis[0], axis[0] + 1), dtype=np.float64)
+            self._axes.append((xs, np.diff(xs)))
+            steps.append(stride if len(axis) > 1 else 0)
+        bits = np.indices((2, 2, 2, 2)).reshape(4, -1)
+        self._corners = (np.asarray(steps)[:, None] * bits).sum(axis=0)
 
     def __call__(self, pc: float, kp: float, nd: float, kv: float) -> float:
         """µs for a step with ``pc`` prefill tokens over ``kp`` history and ``nd`` decodes of mean ``kv``.
@@ -272,6 +303,30 @@ class AttentionGrid:
             )
             out = max(out, edge)
         return out
+
+    def many(self, pc: np.ndarray, kp: np.ndarray, nd: np.ndarray, kv: np.ndarray) -> np.ndarray:
+        """``self(pc[i], kp[i], nd[i], kv[i])`` for every i at once (float64 arrays of one length), equal
+        bit for bit: the same brackets, and the same float operations in the same order as
+        :meth:`_lookup` (numpy's element-wise +, −, × are IEEE double like Python's floats; a step the
+        scalar code skips at t = 0 adds exactly 0 here, the grid's values being finite). The edge
+        lookup (t clamped to 1) runs on every row: where no t exceeds 1 it repeats the lookup
+        itself, and the maximum of two equal values is that value."""
+        (p0, tp), (n0, tn), (k0, tk), (v0, tv) = (
+            _brackets_extrap(xs, widths, q)
+            for (xs, widths), q in zip(self._axes, (pc, nd, kp, kv), strict=True)
+        )
+        base = p0 * self._pc_stride + n0 * self._nd_stride + k0 * len(self.kvs) + v0
+        c = self._array[base + self._corners[:, None]].reshape(2, 2, 2, 2, len(base))  # [pc, nd, kp, kv, i]
+
+        def lerp(ts: tuple[np.ndarray, ...]) -> np.ndarray:  # kv, then kp, nd, pc: as _lookup nests them
+            a = c
+            for t in ts:
+                lo = a[..., 0, :]
+                a = lo + t * (a[..., 1, :] - lo)
+            return a
+
+        ts = (tv, tk, tn, tp)
+        return np.maximum(lerp(ts), lerp(tuple(np.minimum(t, 1.0) for t in ts)))
 
     def least(self, pc: np.ndarray, nd: np.ndarray) -> np.ndarray:
         """Lower bounds (µs) on ``self(pc, kp, nd, kv)`` over every ``kp`` and ``kv``, for arrays of
@@ -706,6 +761,8 @@ class ProfileCostModel:
         self._tok_us[0] = 0.0
         self._seq_us: list[float] = acc(tables.step_sequences.sample(g1)).tolist()
         self._seq_us[0] = 0.0
+        self._tok_array = np.asarray(self._tok_us)  # the same values, for :meth:`chunk_step_times`
+        self._seq_array = np.asarray(self._seq_us)
 
     # -- pieces (µs) -------------------------------------------------------------------------------------
     def _moe_us(self, gathered_tokens: float, ep: int, dp: int) -> float:
@@ -785,6 +842,33 @@ class ProfileCostModel:
         us += self._seq(len(prefill) + num_decode)
         us += self._attention_us(prefill, num_decode, decode_kv_tokens)
         return max(us, 0.0) * 1e-6
+
+    def chunk_step_times(
+        self,
+        chunks: Sequence[int],
+        histories: Sequence[int],
+        num_decode: Sequence[int],
+        decode_kv_tokens: Sequence[int],
+    ) -> list[float]:
+        """``step_time(((chunks[i], histories[i]),), num_decode[i], decode_kv_tokens[i])`` for every i
+        (seconds), equal bit for bit, in one vectorised pass: the same table entries and the same float
+        operations in the same order (:meth:`AttentionGrid.many`). Chunks of at least one token, counts
+        at least 0. Steps past the precomputed tables (``table_tokens``) or a profile without an
+        attention table take the scalar path, row by row."""
+        grid = self._attn
+        tokens = np.add(chunks, num_decode)
+        if grid is None or not len(tokens) or int(tokens.max()) >= len(self._tok_us):
+            return [
+                self.step_time(((c, h),), nd, kv)
+                for c, h, nd, kv in zip(chunks, histories, num_decode, decode_kv_tokens, strict=True)
+            ]
+        nd = np.asarray(num_decode, dtype=np.float64)
+        kv = np.divide(decode_kv_tokens, nd, out=np.zeros(len(nd)), where=nd > 0)
+        pc = np.asarray(chunks, dtype=np.float64)
+        attn = grid.many(pc, np.asarray(histories, dtype=np.float64), nd, kv) * self.model.num_layers
+        tok = self._tok_array[tokens]
+        seq = self._seq_array[np.add(num_decode, 1)]
+        return (np.maximum(tok + seq + attn, 0.0) * 1e-6).tolist()
 
     def dp_group_step_time(
         self,

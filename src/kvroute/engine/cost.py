@@ -150,18 +150,6 @@ def _brackets(xs: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
     return lo, hi, (qc - xs[lo]) / (xs[hi] - xs[lo])
 
 
-def _brackets_extrap(xs: np.ndarray, widths: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(lo, t) of :func:`_bracket` for an array of queries, with its float operations: t = 0 at or
-    below ``xs[0]``, t > 1 above the top (the last two points), else ``(q − xs[lo]) / (xs[lo + 1] −
-    xs[lo])`` (``widths``: those differences, precomputed). At least two points. Where the scalar
-    bracket has ``hi = lo`` (t = 0), ``lo + 1`` stands in: a weight of 0 on a finite value adds 0."""
-    lo = np.searchsorted(xs, q, side="right") - 1
-    np.maximum(lo, 0, out=lo)
-    np.minimum(lo, len(xs) - 2, out=lo)
-    t = (q - xs[lo]) / widths[lo]
-    return lo, np.maximum(t, 0.0, out=t)  # t < 0 only below xs[0]
-
-
 @dataclass(frozen=True, slots=True)
 class Table1D:
     """y(x) by linear interpolation on sorted ``xs`` (clamped below, extrapolated above); y in µs."""
@@ -230,12 +218,17 @@ class AttentionGrid:
         "_array",
         "_axes",
         "_corners",
+        "_knots",
+        "_last",
         "_least",
         "_nd_stride",
+        "_offsets",
         "_pc_stride",
         "_slope",
+        "_strides",
         "_top",
         "_values",
+        "_widths",
         "kps",
         "kvs",
         "nds",
@@ -266,28 +259,36 @@ class AttentionGrid:
                     key = min(by_pair, key=lambda p: ((p[0] - pc) ** 2 + (p[1] - nd) ** 2, p))
                 full[i, j] = by_pair[key]
         self._values: list[float] = full.ravel().tolist()
+        self._array = full.ravel()  # the same values, for :meth:`many`
         self._least = full.min(axis=(2, 3))  # [pc, nd]: the fastest (kp, kv) vertex of each slice
         # [nd, kp, kv]: the last pc slice and its step from the one before (extrapolation beyond pc)
         self._top = full[-1]
         self._slope = full[-1] - full[-2] if len(self.pcs) > 1 else np.zeros_like(full[-1])
         self._pc_stride = len(self.nds) * len(self.kps) * len(self.kvs)
         self._nd_stride = len(self.kps) * len(self.kvs)
-        # For :meth:`many`: the values, each axis with its segment widths (a one-point axis gets a
-        # second point, never used: its t is 0), and the 16 corners' offsets from the lowest one,
-        # ordered [pc][nd][kp][kv] (0 on a one-point axis, whose corners coincide).
-        self._array = full.ravel()
-        self._axes: list[tuple[np.ndarray, np.ndarray]] = []
-        steps = []
-        for axis, stride in zip(
-            (self.pcs, self.nds, self.kps, self.kvs),
-            (self._pc_stride, self._nd_stride, len(self.kvs), 1),
-            strict=True,
-        ):
+        # For :meth:`many`, axes in the order (pc, nd, kp, kv): each axis's points (a one-point axis
+        # gets a second one, at an infinite width, so its t is 0 as in _bracket), all axes' points and
+        # segment widths padded to one length and flattened, the offsets of each axis in those and
+        # its last segment; the strides, and the 16 corners' offsets from the lowest corner, ordered
+        # [kv][kp][nd][pc] (0 on a one-point axis, whose corners coincide).
+        axes = (self.pcs, self.nds, self.kps, self.kvs)
+        strides = (self._pc_stride, self._nd_stride, len(self.kvs), 1)
+        width = max(2, *map(len, axes))
+        knots = np.zeros((4, width))
+        widths = np.ones((4, width))
+        self._axes = []
+        for j, axis in enumerate(axes):
             xs = np.asarray(axis if len(axis) > 1 else (axis[0], axis[0] + 1), dtype=np.float64)
-            self._axes.append((xs, np.diff(xs)))
-            steps.append(stride if len(axis) > 1 else 0)
-        bits = np.indices((2, 2, 2, 2)).reshape(4, -1)
-        self._corners = (np.asarray(steps)[:, None] * bits).sum(axis=0)
+            self._axes.append(xs)
+            knots[j, : len(xs)] = xs
+            widths[j, : len(xs) - 1] = np.diff(xs) if len(axis) > 1 else np.inf
+        self._knots = knots.ravel()
+        self._widths = widths.ravel()
+        self._offsets = np.arange(4)[:, None] * width
+        self._last = np.asarray([[len(xs) - 2] for xs in self._axes])
+        self._strides = np.asarray(strides)
+        steps = np.asarray([st if len(ax) > 1 else 0 for ax, st in zip(axes, strides, strict=True)])
+        self._corners = (steps[::-1, None] * np.indices((2, 2, 2, 2)).reshape(4, -1)).sum(axis=0)
 
     def __call__(self, pc: float, kp: float, nd: float, kv: float) -> float:
         """µs for a step with ``pc`` prefill tokens over ``kp`` history and ``nd`` decodes of mean ``kv``.
@@ -309,24 +310,22 @@ class AttentionGrid:
         bit for bit: the same brackets, and the same float operations in the same order as
         :meth:`_lookup` (numpy's element-wise +, −, × are IEEE double like Python's floats; a step the
         scalar code skips at t = 0 adds exactly 0 here, the grid's values being finite). The edge
-        lookup (t clamped to 1) runs on every row: where no t exceeds 1 it repeats the lookup
-        itself, and the maximum of two equal values is that value."""
-        (p0, tp), (n0, tn), (k0, tk), (v0, tv) = (
-            _brackets_extrap(xs, widths, q)
-            for (xs, widths), q in zip(self._axes, (pc, nd, kp, kv), strict=True)
-        )
-        base = p0 * self._pc_stride + n0 * self._nd_stride + k0 * len(self.kvs) + v0
-        c = self._array[base + self._corners[:, None]].reshape(2, 2, 2, 2, len(base))  # [pc, nd, kp, kv, i]
-
-        def lerp(ts: tuple[np.ndarray, ...]) -> np.ndarray:  # kv, then kp, nd, pc: as _lookup nests them
-            a = c
-            for t in ts:
-                lo = a[..., 0, :]
-                a = lo + t * (a[..., 1, :] - lo)
-            return a
-
-        ts = (tv, tk, tn, tp)
-        return np.maximum(lerp(ts), lerp(tuple(np.minimum(t, 1.0) for t in ts)))
+        lookup (every t clamped to 1) runs beside it on every row: where no t exceeds 1 it repeats the
+        lookup itself, and the maximum of two equal values is that value."""
+        q = np.stack((pc, nd, kp, kv))  # [axis, row]
+        lo = np.stack([xs.searchsorted(qa, side="right") for xs, qa in zip(self._axes, q, strict=True)])
+        lo -= 1
+        np.maximum(lo, 0, out=lo)  # at or below the first point: the first segment, t = 0 below
+        np.minimum(lo, self._last, out=lo)  # above the last: the last segment, t > 1
+        at = lo + self._offsets
+        t = (q - self._knots[at]) / self._widths[at]
+        np.maximum(t, 0.0, out=t)
+        ts = np.stack((t, np.minimum(t, 1.0)), axis=1)  # [axis, lookup or edge, row]
+        base = self._strides @ lo
+        a = self._array[base + self._corners[:, None]].reshape(2, 2, 2, 2, 1, len(base))
+        for axis in (3, 2, 1, 0):  # kv, then kp, nd, pc: as _lookup nests them
+            a = a[0] + ts[axis] * (a[1] - a[0])
+        return np.maximum(a[0], a[1])
 
     def least(self, pc: np.ndarray, nd: np.ndarray) -> np.ndarray:
         """Lower bounds (µs) on ``self(pc, kp, nd, kv)`` over every ``kp`` and ``kv``, for arrays of
@@ -856,18 +855,18 @@ class ProfileCostModel:
         at least 0. Steps past the precomputed tables (``table_tokens``) or a profile without an
         attention table take the scalar path, row by row."""
         grid = self._attn
-        tokens = np.add(chunks, num_decode)
+        rows = np.array((chunks, histories, num_decode, decode_kv_tokens), dtype=np.int64)
+        tokens = rows[0] + rows[2]
         if grid is None or not len(tokens) or int(tokens.max()) >= len(self._tok_us):
             return [
                 self.step_time(((c, h),), nd, kv)
                 for c, h, nd, kv in zip(chunks, histories, num_decode, decode_kv_tokens, strict=True)
             ]
-        nd = np.asarray(num_decode, dtype=np.float64)
-        kv = np.divide(decode_kv_tokens, nd, out=np.zeros(len(nd)), where=nd > 0)
-        pc = np.asarray(chunks, dtype=np.float64)
-        attn = grid.many(pc, np.asarray(histories, dtype=np.float64), nd, kv) * self.model.num_layers
+        pc, kp, nd, ctx = rows.astype(np.float64)  # exact: token counts are far below 2**53
+        kv = np.divide(ctx, nd, out=np.zeros(len(nd)), where=nd > 0)
+        attn = grid.many(pc, kp, nd, kv) * self.model.num_layers
         tok = self._tok_array[tokens]
-        seq = self._seq_array[np.add(num_decode, 1)]
+        seq = self._seq_array[rows[2] + 1]
         return (np.maximum(tok + seq + attn, 0.0) * 1e-6).tolist()
 
     def dp_group_step_time(

@@ -54,10 +54,15 @@ from kvroute.engine.types import ChunkStepTimes, CostModel
 from kvroute.policies.base import check_inputs
 from kvroute.views import Choice, InstanceView, RequestView
 
-__all__ = ["DEFAULT_CHUNK", "KV_MODES", "LMetricTime", "kv_demand_factor"]
+__all__ = ["DEFAULT_CHUNK", "KV_MODES", "VECTOR_MIN_INSTANCES", "LMetricTime", "kv_demand_factor"]
 
 DEFAULT_CHUNK = 4096
 """The chunk budget B (tokens) assumed when an instance does not report ``max_batched_tokens``."""
+
+VECTOR_MIN_INSTANCES = 8
+"""From this many instances on, a decision prices its steps in one vectorised cost-model call (when
+the cost model has ``chunk_step_times``); below, one ``step_time`` call per step costs less than
+numpy's fixed cost per call (``make bench ONLY=decide``). Both give the same scores bit for bit."""
 
 KV_MODES = ("demand", "held", "off")
 """How K counts KV use: held plus queued blocks (the policy), held blocks only, or not at all."""
@@ -115,18 +120,16 @@ class LMetricTime:
         """:meth:`times` on every instance, equal bit for bit; one vectorised cost-model call when the
         cost model has ``chunk_step_times`` (the queue's step is priced even where Q = 0, then unused)."""
         cached = request.cached_tokens
-        if self._many is None:
+        if self._many is None or len(instances) < VECTOR_MIN_INSTANCES:
             return [self.times(request, v, c) for c, v in zip(cached, instances, strict=True)]
         terms = [self._terms(request, v, c) for c, v in zip(cached, instances, strict=True)]
-        chunks = [t[0] for t in terms]
-        nds = [t[1] for t in terms]
-        ctxs = [t[2] for t in terms]
-        own = [c + t[4] // 2 for c, t in zip(cached, terms, strict=True)]
-        steps = self._many(chunks + chunks, [0] * len(terms) + own, nds + nds, ctxs + ctxs)
+        chunks, nds, ctxs, qs, ps = zip(*terms, strict=True)
+        own = [c + p // 2 for c, p in zip(cached, ps, strict=True)]
         n = len(terms)
+        steps = self._many(chunks * 2, [0] * n + own, nds * 2, ctxs * 2)
         return [
             (q / chunk * steps[i] if q else 0.0, p / chunk * steps[n + i])
-            for i, (chunk, _, _, q, p) in enumerate(terms)
+            for i, (chunk, q, p) in enumerate(zip(chunks, qs, ps, strict=True))
         ]
 
     def factor(self, request: RequestView, view: InstanceView) -> float:
@@ -146,7 +149,20 @@ class LMetricTime:
         BS from these for request classes and load-adaptive weighting."""
         check_inputs(request, instances)
         times = self._all_times(request, instances)
-        return times, [v.running + v.waiting for v in instances], [self.factor(request, v) for v in instances]
+        if self.kv == "off":
+            ks = [1.0] * len(instances)
+        else:  # factor() on every instance, its mode read once
+            demand, per = self.kv == "demand", max(request.block_size, 1)
+            ks = [
+                kv_demand_factor(
+                    v.kv_capacity_blocks,
+                    float(v.decode_blocks) + v.queued_prefill_tokens / per
+                    if demand
+                    else float(v.decode_blocks),
+                )
+                for v in instances
+            ]
+        return times, [v.running + v.waiting for v in instances], ks
 
     def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
         """Pick the instance with the lowest (T_wait + T_own) × (BS + 1) × K."""

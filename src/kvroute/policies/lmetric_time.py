@@ -61,8 +61,9 @@ DEFAULT_CHUNK = 4096
 
 VECTOR_MIN_INSTANCES = 8
 """From this many instances on, a decision prices its steps in one vectorised cost-model call (when
-the cost model has ``chunk_step_times``); below, one ``step_time`` call per step costs less than
-numpy's fixed cost per call (``make bench ONLY=decide``). Both give the same scores bit for bit."""
+the cost model has ``chunk_step_times``); below, numpy's fixed cost per call outweighs the scalar
+``step_time`` calls it saves (measured on ``benchmarks/bench_decide.py``'s inputs, where the two cross
+between 6 and 8 instances). Both paths give the same scores bit for bit."""
 
 KV_MODES = ("demand", "held", "off")
 """How K counts KV use: held plus queued blocks (the policy), held blocks only, or not at all."""

@@ -8,7 +8,11 @@ prompts of 100–8,000 tokens with up to 100 cached. Policies are timed in inter
 round runs every policy over the same 200 decisions) and the figure is the median over rounds of
 microseconds per decision (``time.process_time_ns``: this process's CPU, so a busy machine stretches
 it less than wall time). ``share_at_main_job_rate``: the fraction of one core that many decisions per
-second cost at the main job's arrival rate (≈ 44 requests/s). Writes ``benchmarks/results/decide.json``.
+second cost at the main job's arrival rate (≈ 44 requests/s). ``lmetric-time/scalar`` is the default
+policy with its cost model behind ``step_time`` alone, so it prices each step with one scalar call (as
+before the vectorised path): the A/B, timed in the same rounds; its decisions are checked equal to
+``lmetric-time``'s before timing, and ``lmetric_time_speedup_<n>`` is scalar / vectorised µs.
+Writes ``benchmarks/results/decide.json``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ import sys
 import time
 
 from benchmarks.common import table, write
+from kvroute.engine.cost import get_profile
+from kvroute.engine.types import CostModel
+from kvroute.policies.base import Policy
+from kvroute.policies.lmetric_time import LMetricTime
 from kvroute.policies.registry import DEFAULT_POLICY, make_policy
 from kvroute.views import InstanceView, RequestView
 
@@ -27,6 +35,21 @@ INSTANCES = (4, 16, 64)
 DECISIONS = 200
 ROUNDS = 15
 MAIN_JOB_RATE = 44.0  # requests/s: multiturn ×1.4 (kvroute.commands.demo)
+SCALAR = "lmetric-time/scalar"
+
+
+class ScalarOnly:
+    """A cost model seen through ``step_time`` only: :class:`LMetricTime` then prices one step per call."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.name = cost.name
+        self.step_time = cost.step_time
+
+
+def _policies() -> dict[str, Policy]:
+    policies = {name: make_policy(name) for name in POLICIES}
+    policies[SCALAR] = LMetricTime(ScalarOnly(get_profile().cost), name="lmetric-time")
+    return policies
 
 
 def _inputs(n: int, rng: random.Random) -> list[tuple[RequestView, list[InstanceView]]]:
@@ -57,8 +80,11 @@ def main() -> int:
     rows: dict[str, dict[str, float]] = {}
     for n in INSTANCES:
         inputs = _inputs(n, rng)
-        policies = {name: make_policy(name) for name in POLICIES}
-        per: dict[str, list[float]] = {name: [] for name in POLICIES}
+        policies = _policies()
+        for req, views in inputs:
+            if policies[SCALAR].choose(req, views) != policies["lmetric-time"].choose(req, views):
+                raise SystemExit(f"{SCALAR} and lmetric-time disagree at {n} instances")
+        per: dict[str, list[float]] = {name: [] for name in policies}
         for _ in range(ROUNDS):
             for name, policy in policies.items():
                 t0 = time.process_time_ns()
@@ -70,6 +96,12 @@ def main() -> int:
             rows.setdefault(name, {})[f"us_per_decision_{n}"] = round(us, 1)
             if n == 4:
                 rows[name]["share_at_main_job_rate"] = round(us * 1e-6 * MAIN_JOB_RATE, 5)
+    speedup = {
+        f"lmetric_time_speedup_{n}": round(
+            rows[SCALAR][f"us_per_decision_{n}"] / rows["lmetric-time"][f"us_per_decision_{n}"], 2
+        )
+        for n in INSTANCES
+    }
     table(
         [(name, *(f"{r[f'us_per_decision_{n}']:.1f}" for n in INSTANCES)) for name, r in rows.items()],
         headers=("policy", *(f"µs/decision, {n} instances" for n in INSTANCES)),
@@ -78,6 +110,7 @@ def main() -> int:
         "decide.json",
         {
             "policies": rows,
+            **speedup,
             "instances": list(INSTANCES),
             "decisions_per_round": DECISIONS,
             "rounds": ROUNDS,

@@ -215,12 +215,20 @@ class AttentionGrid:
     """
 
     __slots__ = (
+        "_array",
+        "_axes",
+        "_corners",
+        "_knots",
+        "_last",
         "_least",
         "_nd_stride",
+        "_offsets",
         "_pc_stride",
         "_slope",
+        "_strides",
         "_top",
         "_values",
+        "_widths",
         "kps",
         "kvs",
         "nds",
@@ -251,12 +259,36 @@ class AttentionGrid:
                     key = min(by_pair, key=lambda p: ((p[0] - pc) ** 2 + (p[1] - nd) ** 2, p))
                 full[i, j] = by_pair[key]
         self._values: list[float] = full.ravel().tolist()
+        self._array = full.ravel()  # the same values, for :meth:`many`
         self._least = full.min(axis=(2, 3))  # [pc, nd]: the fastest (kp, kv) vertex of each slice
         # [nd, kp, kv]: the last pc slice and its step from the one before (extrapolation beyond pc)
         self._top = full[-1]
         self._slope = full[-1] - full[-2] if len(self.pcs) > 1 else np.zeros_like(full[-1])
         self._pc_stride = len(self.nds) * len(self.kps) * len(self.kvs)
         self._nd_stride = len(self.kps) * len(self.kvs)
+        # For :meth:`many`, axes in the order (pc, nd, kp, kv): each axis's points (a one-point axis
+        # gets a second one, at an infinite width, so its t is 0 as in _bracket), all axes' points and
+        # segment widths padded to one length and flattened, the offsets of each axis in those and
+        # its last segment; the strides, and the 16 corners' offsets from the lowest corner, ordered
+        # [kv][kp][nd][pc] (0 on a one-point axis, whose corners coincide).
+        axes = (self.pcs, self.nds, self.kps, self.kvs)
+        strides = (self._pc_stride, self._nd_stride, len(self.kvs), 1)
+        width = max(2, *map(len, axes))
+        knots = np.zeros((4, width))
+        widths = np.ones((4, width))
+        self._axes = []
+        for j, axis in enumerate(axes):
+            xs = np.asarray(axis if len(axis) > 1 else (axis[0], axis[0] + 1), dtype=np.float64)
+            self._axes.append(xs)
+            knots[j, : len(xs)] = xs
+            widths[j, : len(xs) - 1] = np.diff(xs) if len(axis) > 1 else np.inf
+        self._knots = knots.ravel()
+        self._widths = widths.ravel()
+        self._offsets = np.arange(4)[:, None] * width
+        self._last = np.asarray([[len(xs) - 2] for xs in self._axes])
+        self._strides = np.asarray(strides)
+        steps = np.asarray([st if len(ax) > 1 else 0 for ax, st in zip(axes, strides, strict=True)])
+        self._corners = (steps[::-1, None] * np.indices((2, 2, 2, 2)).reshape(4, -1)).sum(axis=0)
 
     def __call__(self, pc: float, kp: float, nd: float, kv: float) -> float:
         """µs for a step with ``pc`` prefill tokens over ``kp`` history and ``nd`` decodes of mean ``kv``.
@@ -272,6 +304,28 @@ class AttentionGrid:
             )
             out = max(out, edge)
         return out
+
+    def many(self, pc: np.ndarray, kp: np.ndarray, nd: np.ndarray, kv: np.ndarray) -> np.ndarray:
+        """``self(pc[i], kp[i], nd[i], kv[i])`` for every i at once (float64 arrays of one length), equal
+        bit for bit: the same brackets, and the same float operations in the same order as
+        :meth:`_lookup` (numpy's element-wise +, −, × are IEEE double like Python's floats; a step the
+        scalar code skips at t = 0 adds exactly 0 here, the grid's values being finite). The edge
+        lookup (every t clamped to 1) runs beside it on every row: where no t exceeds 1 it repeats the
+        lookup itself, and the maximum of two equal values is that value."""
+        q = np.stack((pc, nd, kp, kv))  # [axis, row]
+        lo = np.stack([xs.searchsorted(qa, side="right") for xs, qa in zip(self._axes, q, strict=True)])
+        lo -= 1
+        np.maximum(lo, 0, out=lo)  # at or below the first point: the first segment, t = 0 below
+        np.minimum(lo, self._last, out=lo)  # above the last: the last segment, t > 1
+        at = lo + self._offsets
+        t = (q - self._knots[at]) / self._widths[at]
+        np.maximum(t, 0.0, out=t)
+        ts = np.stack((t, np.minimum(t, 1.0)), axis=1)  # [axis, lookup or edge, row]
+        base = self._strides @ lo
+        a = self._array[base + self._corners[:, None]].reshape(2, 2, 2, 2, 1, len(base))
+        for axis in (3, 2, 1, 0):  # kv, then kp, nd, pc: as _lookup nests them
+            a = a[0] + ts[axis] * (a[1] - a[0])
+        return np.maximum(a[0], a[1])
 
     def least(self, pc: np.ndarray, nd: np.ndarray) -> np.ndarray:
         """Lower bounds (µs) on ``self(pc, kp, nd, kv)`` over every ``kp`` and ``kv``, for arrays of
@@ -706,6 +760,8 @@ class ProfileCostModel:
         self._tok_us[0] = 0.0
         self._seq_us: list[float] = acc(tables.step_sequences.sample(g1)).tolist()
         self._seq_us[0] = 0.0
+        self._tok_array = np.asarray(self._tok_us)  # the same values, for :meth:`chunk_step_times`
+        self._seq_array = np.asarray(self._seq_us)
 
     # -- pieces (µs) -------------------------------------------------------------------------------------
     def _moe_us(self, gathered_tokens: float, ep: int, dp: int) -> float:
@@ -785,6 +841,33 @@ class ProfileCostModel:
         us += self._seq(len(prefill) + num_decode)
         us += self._attention_us(prefill, num_decode, decode_kv_tokens)
         return max(us, 0.0) * 1e-6
+
+    def chunk_step_times(
+        self,
+        chunks: Sequence[int],
+        histories: Sequence[int],
+        num_decode: Sequence[int],
+        decode_kv_tokens: Sequence[int],
+    ) -> list[float]:
+        """``step_time(((chunks[i], histories[i]),), num_decode[i], decode_kv_tokens[i])`` for every i
+        (seconds), equal bit for bit, in one vectorised pass: the same table entries and the same float
+        operations in the same order (:meth:`AttentionGrid.many`). Chunks of at least one token, counts
+        at least 0. Steps past the precomputed tables (``table_tokens``) or a profile without an
+        attention table take the scalar path, row by row."""
+        grid = self._attn
+        rows = np.array((chunks, histories, num_decode, decode_kv_tokens), dtype=np.int64)
+        tokens = rows[0] + rows[2]
+        if grid is None or not len(tokens) or int(tokens.max()) >= len(self._tok_us):
+            return [
+                self.step_time(((c, h),), nd, kv)
+                for c, h, nd, kv in zip(chunks, histories, num_decode, decode_kv_tokens, strict=True)
+            ]
+        pc, kp, nd, ctx = rows.astype(np.float64)  # exact: token counts are far below 2**53
+        kv = np.divide(ctx, nd, out=np.zeros(len(nd)), where=nd > 0)
+        attn = grid.many(pc, kp, nd, kv) * self.model.num_layers
+        tok = self._tok_array[tokens]
+        seq = self._seq_array[rows[2] + 1]
+        return (np.maximum(tok + seq + attn, 0.0) * 1e-6).tolist()
 
     def dp_group_step_time(
         self,

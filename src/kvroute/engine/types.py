@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 ReqId = int | str
 
@@ -171,6 +171,21 @@ class CostModel(Protocol):
     def step_time(
         self, prefill: Sequence[tuple[int, int]], num_decode: int, decode_kv_tokens: int
     ) -> float: ...
+
+
+@runtime_checkable
+class ChunkStepTimes(Protocol):
+    """A cost model that prices many one-chunk steps at once (seconds): element i equals
+    ``step_time(((chunks[i], histories[i]),), num_decode[i], decode_kv_tokens[i])`` exactly. What a
+    router prices per instance at every decision (:class:`~kvroute.policies.lmetric_time.LMetricTime`)."""
+
+    def chunk_step_times(
+        self,
+        chunks: Sequence[int],
+        histories: Sequence[int],
+        num_decode: Sequence[int],
+        decode_kv_tokens: Sequence[int],
+    ) -> list[float]: ...
 
 
 class LoadSnapshot(NamedTuple):

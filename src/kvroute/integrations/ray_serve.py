@@ -172,7 +172,7 @@ class KVRouteRequestRouter(RequestRouter):
             raise UserError("request_router_kwargs: queue_len_deadline_s must be positive")
         # Ray's probe of a replica's queue length (module docstring): its first deadline and its ceiling
         self.queue_len_response_deadline_s = queue_len_deadline_s
-        self.max_queue_len_response_deadline_s = max(
+        self.max_queue_len_response_deadline_s: float = max(
             queue_len_deadline_s, self.max_queue_len_response_deadline_s
         )
         self.sync_interval_s = sync_interval_s

@@ -1,10 +1,9 @@
-"""The descriptor census (:mod:`benchmarks.fdcensus`) counts what this process opens, by kind and by
+"""The descriptor census (:mod:`benchmarks.fdcensus`) counts what a process opens, by kind and by
 peer, and the soak's figures from it (:func:`benchmarks.soak.fd_growth`, :func:`rss_slopes`)."""
 
 from __future__ import annotations
 
-import os
-import socket
+import subprocess
 import sys
 
 import pytest
@@ -24,36 +23,63 @@ def test_kinds_from_link_targets() -> None:
     assert fd_kind("net:[4026531840]") == "other"
 
 
+# A child that opens exactly what the census test names, one step per line read: the census reads
+# its /proc, so that no thread of the test process (which holds many) can open or close a
+# descriptor between two censuses.
+CHILD = """
+import os, socket, sys
+server = socket.create_server(("127.0.0.1", 0))
+engine = socket.create_server(("127.0.0.1", 0))
+print(server.getsockname()[1], engine.getsockname()[1], flush=True)
+sys.stdin.readline()
+r, w = os.pipe()
+client = socket.create_connection(("127.0.0.1", server.getsockname()[1]))
+accepted, _ = server.accept()
+upstream = socket.create_connection(("127.0.0.1", engine.getsockname()[1]))
+a, b = socket.socketpair()
+print("opened", flush=True)
+sys.stdin.readline()
+for s in (client, accepted, upstream, a, b, server, engine):
+    s.close()
+os.close(r)
+os.close(w)
+print("closed", flush=True)
+sys.stdin.readline()
+"""
+
+
 @linux
-def test_census_counts_what_this_process_opens_and_names_the_peers() -> None:
-    pid = os.getpid()
-    server = socket.create_server(("127.0.0.1", 0))
-    engine = socket.create_server(("127.0.0.1", 0))
-    port, engine_port = server.getsockname()[1], engine.getsockname()[1]
-    peers = Peers(frozenset({port}), {engine_port: "engine0"})
-    before = census(pid, peers)
-    r, w = os.pipe()
-    client = socket.create_connection(("127.0.0.1", port))
-    accepted, _ = server.accept()
-    upstream = socket.create_connection(("127.0.0.1", engine_port))
-    a, b = socket.socketpair()
+def test_census_counts_what_a_process_opens_and_names_the_peers() -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdin is not None and child.stdout is not None
+
+    def step(expect: str) -> None:
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == expect
+
     try:
-        after = census(pid, peers)
+        port, engine_port = map(int, child.stdout.readline().split())
+        peers = Peers(frozenset({port}), {engine_port: "engine0"})
+        before = census(child.pid, peers)
+        step("opened")
+        after = census(child.pid, peers)
         assert after.fds == before.fds + 7
         assert after.by_kind["pipe"] == before.by_kind.get("pipe", 0) + 2
         grew = {k: after.by_peer.get(k, 0) - before.by_peer.get(k, 0) for k in after.by_peer}
         # accepted on the router's port: a client; our side of it: an unknown port's peer; the
         # engine's port: engine0; the socket pair: unix; both servers: listen
         assert grew["client"] == 1 and grew["tcp:other"] == 1 and grew["engine0"] == 1 and grew["unix"] == 2
-        # both servers listen in both censuses (the test process may hold other listeners of its own)
-        assert after.by_peer["listen"] == before.by_peer["listen"] >= 2
+        assert after.by_peer["listen"] == before.by_peer["listen"] == 2
         assert after.rss_mib > 0 and after.threads >= 1
+        step("closed")
+        assert census(child.pid, peers).fds == before.fds - 2  # the two listening sockets closed too
     finally:
-        for s in (client, accepted, upstream, a, b, server, engine):
-            s.close()
-        os.close(r)
-        os.close(w)
-    assert census(pid, peers).fds == before.fds - 2  # the two listening sockets closed too
+        child.kill()
+        child.communicate()
 
 
 def test_census_of_a_process_that_is_gone_is_empty() -> None:

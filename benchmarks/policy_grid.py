@@ -219,6 +219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.render:
         shown = json.loads(Path(args.render).read_text())
         if "--candidate" in (sys.argv[1:] if argv is None else argv) and args.candidate != shown["candidate"]:
+            known = {a for c in shown["cells"].values() for a in c["arms"]}
+            if args.candidate not in known:
+                ap.error(f"{args.render}: no arm {args.candidate!r} (arms: {', '.join(sorted(known))})")
             shown = recandidate(shown, args.candidate)
         print(render(shown), end="")
         return 0

@@ -6,7 +6,8 @@ Real processes on loopback (an unreachable backend is enough: nothing is routed)
 (as after any graceful stop), say which signal stopped it, print no traceback, and leave no process of
 its session behind (workers, engines, multiprocessing's resource tracker). Before the fix, ``epp``
 and ``serve`` in P/D mode exited 130 (asyncio's own handler cancelled the main task), and a worker of
-``serve --workers`` printed a KeyboardInterrupt traceback and its supervisor never exited. A hang
+``serve --workers`` printed a KeyboardInterrupt traceback and its supervisor never exited; the
+emulated engine (``kvroute engine``) printed a KeyboardInterrupt traceback. A hang
 guard of 120 s, no speed claim."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ FRONT_DOORS: dict[str, tuple[str, list[str]]] = {  # name: (the ready line's sta
     "serve P/D": ("kvroute serve (P/D): ", ["serve", "--decode", NOWHERE]),
     "epp": ("kvroute epp: ", ["epp", "--backend", NOWHERE, "--grpc-port", "0"]),
     "up": ("router: ", ["up", "--instances", "1"]),
+    "engine": ("kvroute engine: ", ["engine"]),  # not a front door, but `up` and users launch it alike
 }
 
 

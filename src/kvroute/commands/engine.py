@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
-import signal
 import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -367,6 +365,7 @@ async def _serve(args: argparse.Namespace) -> None:
     import zmq
 
     from kvroute.emulator.server import EmulatorServer
+    from kvroute.server.run import Signals
 
     settings, profile, tok = build(args)
     server = EmulatorServer(settings, profile.cost, tok)
@@ -378,34 +377,32 @@ async def _serve(args: argparse.Namespace) -> None:
     except zmq.ZMQError as exc:
         await server.stop()
         raise UserError(f"cannot open a ZMQ endpoint (KV events or side channel): {exc}") from None
-    e = settings.engine
-    print(
-        f"kvroute engine: http://{args.host}:{port}/v1 model={settings.model_name} profile={profile.name} "
-        f"kv_blocks={e.num_kv_blocks}x{e.block_size} max_model_len={e.max_model_len} "
-        f"time_scale={settings.time_scale} flavor={settings.flavor}"
-        + (f" lora={','.join(settings.lora_modules)}" if settings.lora_modules else "")
-        + (
-            f" kv_events={args.kv_events_endpoint} ({settings.kv_events.fmt})"
-            if settings.kv_events is not None
-            else ""
+    # The handlers before the announcement: a signal sent on reading the line stops the engine
+    # cleanly (before them, a SIGINT reached asyncio's handler: a KeyboardInterrupt traceback).
+    with Signals() as signals:
+        e = settings.engine
+        print(
+            f"kvroute engine: http://{args.host}:{port}/v1 model={settings.model_name} profile={profile.name} "
+            f"kv_blocks={e.num_kv_blocks}x{e.block_size} max_model_len={e.max_model_len} "
+            f"time_scale={settings.time_scale} flavor={settings.flavor}"
+            + (f" lora={','.join(settings.lora_modules)}" if settings.lora_modules else "")
+            + (
+                f" kv_events={args.kv_events_endpoint} ({settings.kv_events.fmt})"
+                if settings.kv_events is not None
+                else ""
+            )
+            + (
+                f" kv_role={settings.kv_transfer.role} side_channel={server.side.host}:{server.side.port}"
+                if settings.kv_transfer is not None and server.side is not None
+                else (f" kv_role={settings.kv_transfer.role}" if settings.kv_transfer is not None else "")
+            ),
+            file=sys.stderr,
+            flush=True,
         )
-        + (
-            f" kv_role={settings.kv_transfer.role} side_channel={server.side.host}:{server.side.port}"
-            if settings.kv_transfer is not None and server.side is not None
-            else (f" kv_role={settings.kv_transfer.role}" if settings.kv_transfer is not None else "")
-        ),
-        file=sys.stderr,
-        flush=True,
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await server.stop()
+        try:
+            await signals.stop.wait()
+        finally:
+            await server.stop()
 
 
 def run(args: argparse.Namespace) -> int:

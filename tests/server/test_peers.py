@@ -172,10 +172,17 @@ def test_publisher_announces_each_lease_step_and_refreshes_its_row() -> None:
         assert kinds == ["reserve", "adjust", "start", "reserve", "refresh", "release", "release"]
         deltas = [m for _, m in sent if isinstance(m, Delta)]
         assert [m.seq for _, m in sent] == [1, 2, 3, 4, 5, 6, 7]
-        assert (deltas[0].url, deltas[0].waiting, deltas[0].prefill, deltas[0].blocks) == (U1, 1, 4000, 250)
+        # the blocks join at the start (first byte), not at the reservation
+        assert (deltas[0].url, deltas[0].waiting, deltas[0].prefill, deltas[0].blocks) == (U1, 1, 4000, 0)
+        assert (deltas[2].waiting, deltas[2].running, deltas[2].prefill, deltas[2].blocks) == (
+            -1,
+            1,
+            -3000,
+            250,
+        )
         refresh = sent[4][1]
         assert isinstance(refresh, Refresh)
-        assert refresh.rows == [(U1, 0, 1, 0, 250), (U2, 1, 0, 10, 1)]
+        assert refresh.rows == [(U1, 0, 1, 0, 250), (U2, 1, 0, 10, 0)]
     finally:
         pub.close()
     assert table.announce is None
@@ -198,14 +205,15 @@ async def test_publisher_to_receiver_over_zmq() -> None:
             pub.install()
             tasks.append(asyncio.create_task(pub.run((bind_b,), set())))
         lease = Lease(BackendState(0, U1, table_a), 4000, 250)
+        lease.first_byte()  # started: its blocks count
         Lease(BackendState(0, U1, table_b), 1, 1)  # b's own: not in b's remote row
         slot = table_b.slot(U1)
         for _ in range(1500):  # the slow joiner: the refresh delivers it within refresh_s
-            if remote(table_b, U1) == (1, 0, 4000, 250):
+            if remote(table_b, U1) == (0, 1, 0, 250):
                 break
             await asyncio.sleep(0.02)
-        assert remote(table_b, U1) == (1, 0, 4000, 250)
-        assert table_b.totals(slot) == (2, 0, 4001, 251)
+        assert remote(table_b, U1) == (0, 1, 0, 250)
+        assert table_b.totals(slot) == (1, 1, 1, 250)
         lease.release()
         for _ in range(1500):  # up to ~30 s on a loaded machine
             if remote(table_b, U1) == (0, 0, 0, 0):

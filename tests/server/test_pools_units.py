@@ -188,3 +188,22 @@ def test_kv_view_shortfall_drops_the_backend_s_history_and_leaves_the_exact_view
     kv.set_engine_block_size(1, 128)
     kv.on_usage(1, chain, 0, 7, 0.0)  # short by 112 < one engine block of 128: no evidence
     assert kv.shortfalls == {0: 1} and kv.approx.match(other, 2) == [0, 4]
+
+
+def test_pd_instance_view_counts_the_engines_blocks_in_use_not_the_queued_requests() -> None:
+    """The P/D router's view follows ``decode_blocks``' one definition (views.py): the blocks the
+    engine holds at the last scrape (``kv_usage`` × pool), never those of requests routed and not
+    started (their new tokens are the queued prefill). Regression: it was 0 (no KV term at all)."""
+    from kvroute.server.state.backends import ScrapedMetrics
+    from kvroute.server.state.pdpools import PDBackend, PDInstance
+
+    inst = PDInstance(0, PDBackend("http://d:1"))
+    inst.add("a", 300)
+    v = inst.view()
+    assert (v.waiting, v.queued_prefill_tokens, v.decode_blocks) == (1, 300, 0)
+    inst.scraped = ScrapedMetrics(running=1, waiting=1, kv_usage=0.03, at=1.0, num_kv_blocks=1000)
+    v = inst.view()
+    assert (v.queued_prefill_tokens, v.kv_capacity_blocks, v.decode_blocks) == (300, 1000, 30)
+    inst.start("a")
+    inst.done("a")
+    assert inst.view().decode_blocks == 30  # the engine's, until the next scrape

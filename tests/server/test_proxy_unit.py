@@ -204,6 +204,8 @@ async def test_client_disconnect_aborts_upstream(tokenizer: Tokenizer) -> None:
                     break
                 await asyncio.sleep(0.01)
             assert server.state.backends[0].waiting == 1
+            # routed, no first byte: its new prefill is queued, its blocks not counted (views.py)
+            assert server.state.backends[0].queued_prefill > 0 and server.state.backends[0].blocks == 0
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task

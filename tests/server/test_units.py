@@ -120,22 +120,34 @@ def test_merge_takes_larger_total_without_double_counting() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 2), st.integers(0, 500)), max_size=40))
-def test_leases_always_return_counters_to_zero(ops: list[tuple[int, int, int]]) -> None:
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 5), st.integers(0, 2), st.integers(0, 500), st.integers(0, 40)), max_size=40
+    )
+)
+def test_leases_always_return_counters_to_zero(ops: list[tuple[int, int, int, int]]) -> None:
+    """Any order of first bytes and releases (a release before the first byte is an error, a client
+    disconnect or a cancellation while waiting; after it, the end of a started request, any way):
+    ``blocks`` counts exactly the started, unreleased leases' blocks, and everything returns to zero."""
     b = BackendState(0, "http://a:1")
     leases: list[Lease] = []
-    for pick, action, tokens in ops:
+    ended: set[int] = set()
+    for pick, action, tokens, blocks in ops:
         if action == 0 or not leases:
-            leases.append(Lease(b, tokens))
+            leases.append(Lease(b, tokens, blocks))
         elif action == 1:
             leases[pick % len(leases)].first_byte()
         else:
             leases[pick % len(leases)].release()
+            ended.add(pick % len(leases))
         assert b.waiting >= 0 and b.running >= 0 and b.queued_prefill >= 0
+        live = [x for k, x in enumerate(leases) if x.started and k not in ended]
+        assert b.blocks == sum(x.blocks for x in live)
+        assert b.view(0.0, 1.0).decode_blocks == b.blocks  # no scrape: the router's own count
     for lease in leases:
         lease.release()
         lease.release()
-    assert (b.waiting, b.running, b.queued_prefill) == (0, 0, 0)
+    assert (b.waiting, b.running, b.queued_prefill, b.blocks) == (0, 0, 0, 0)
 
 
 def test_health_ejection_and_readmission() -> None:
@@ -483,23 +495,43 @@ async def test_subscriber_drains_a_burst_in_order() -> None:
         ctx.term()
 
 
-def test_lease_holds_the_request_blocks_until_release_and_the_view_reads_them() -> None:
-    """The decode term moves with the router's own traffic: a lease's blocks count from routing to its
-    end (not only while waiting), and the view reports the larger of them and the engine's usage."""
-    from kvroute.server.state.backends import BackendState, Lease, ScrapedMetrics
-
+def test_a_routed_request_holds_no_blocks_in_the_view_until_its_first_byte() -> None:
+    """``decode_blocks`` (views.py) counts the blocks of started requests only: a request routed but
+    not started may wait in the engine's queue, holding no block; its new tokens are in
+    ``queued_prefill_tokens`` already. Regression: its prompt's blocks counted from routing, so a
+    request queued at the engine weighed twice in K (lmetric-time) and in the step's context. The
+    view reads the router's clock only through ``now`` (scrapes older than ``stale_s`` are ignored)."""
     b = BackendState(0, "http://x:1")
     lease = Lease(b, 100, blocks=7)
-    assert b.view(0.0, 1.0).decode_blocks == 7
-    lease.first_byte()
-    assert b.view(0.0, 1.0).decode_blocks == 7 and b.queued_prefill == 0
-    b.scraped = ScrapedMetrics(running=1, waiting=0, kv_usage=0.5, at=0.0, num_kv_blocks=100)
-    assert b.view(0.0, 1.0).decode_blocks == 50  # the engine holds more than this router's requests
+    v = b.view(now=10.0, stale_s=1.0)
+    assert (v.waiting, v.queued_prefill_tokens, v.decode_blocks) == (1, 100, 0)
+    # The engine runs another client's request (5 of 100 blocks) and queues ours (waiting 1).
+    b.scraped = ScrapedMetrics(running=1, waiting=1, kv_usage=0.05, at=10.0, num_kv_blocks=100)
+    v = b.view(now=10.02, stale_s=1.0)
+    assert (v.running, v.waiting, v.queued_prefill_tokens, v.decode_blocks) == (1, 1, 100, 5)
+    lease.first_byte()  # scheduled and started: its blocks join, fresher than the last scrape
+    v = b.view(now=10.03, stale_s=1.0)
+    assert (v.queued_prefill_tokens, v.decode_blocks) == (0, 7)
+    b.scraped = ScrapedMetrics(running=2, waiting=0, kv_usage=0.12, at=10.05, num_kv_blocks=100)
+    assert b.view(now=10.06, stale_s=1.0).decode_blocks == 12  # the engine holds more: max-merged
+    assert b.view(now=11.5, stale_s=1.0).decode_blocks == 7  # stale scrape: the router's own
     lease.release()
     lease.release()
-    assert b.blocks == 0
-    b.scraped = None
-    assert b.view(0.0, 1.0).decode_blocks == 0
+    assert b.blocks == 0 and b.view(now=11.5, stale_s=1.0).decode_blocks == 0
+
+
+def test_a_lease_released_before_its_first_byte_takes_no_blocks_off() -> None:
+    """An attempt that ends before its first byte (connect error, break, client gone, cancelled)
+    never added its blocks: its release leaves the started requests' blocks alone."""
+    b = BackendState(0, "http://x:1")
+    started = Lease(b, 50, blocks=4)
+    started.first_byte()
+    failed = Lease(b, 80, blocks=6)
+    failed.release()
+    failed.first_byte()  # too late: released is final
+    assert (b.waiting, b.running, b.queued_prefill, b.blocks) == (0, 1, 0, 4)
+    started.release()
+    assert (b.waiting, b.running, b.queued_prefill, b.blocks) == (0, 0, 0, 0)
 
 
 def test_token_cache_is_bounded_by_tokens_not_only_entries(tokenizer: object) -> None:

@@ -15,6 +15,18 @@ The router here is the simulator's twin of the live router (``kvroute.server``):
   prefill tokens as queued and its prompt's blocks as held (the decode term), until its first token
   or the next copy (which then includes it).
 
+  ``decode_blocks`` follows the one definition of :class:`~kvroute.views.InstanceView` (blocks of the
+  requests the engine has started, not of those queued there) but for where the live router
+  (:mod:`kvroute.server.state.backends`) differs, for at most one ``scrape_interval`` (0.05 s by
+  default) per request. Live, a request's blocks count from its first byte (its lease) or from the
+  first scrape after the engine scheduled it, whichever comes first. Here they count from the first
+  copy after the engine scheduled it, and two things differ: a request routed since the last copy
+  also counts its prompt's blocks here (its optimistic entry) until its first token or the next copy,
+  even while it waits in the engine's queue, where live counts none; and such a request counts none
+  here from its first token to the next copy, where live counts its lease. Dropping the optimistic
+  blocks (exact parity) changes ``kvroute sim``'s results on the preset's cells (most for ``dynamo``,
+  whose cost reads them directly), so the simulator keeps them and the committed results stand.
+
 Requests reach the chosen engine at once; engines are woken at their ``next_time()``.
 
 **Router-side queue** (``router_queue``, :mod:`kvroute.routing.queue`): a request whose instances are

@@ -43,13 +43,13 @@ def takes(state: RouterState, index: int, retry: bool) -> bool:
 
 
 def reserve(state: RouterState, plan: Plan, index: int, tail: Tail | None) -> Reservation:
-    """Lease backend ``index`` for ``plan``'s request (+1 waiting, its new prefill queued, its KV
-    blocks) and write the routing history unless the backend's view is exact (module docstring).
+    """Lease backend ``index`` for ``plan``'s request (+1 waiting, its new prefill queued; its KV
+    blocks once its first byte is back) and write the routing history unless the backend's view is exact (module docstring).
     ``tail``: the request's deferred tokenization, told about the attempt."""
     backend = state.backends[index]
     now = state.clock()
     late = state.kv.mode(index, now) == "exact"
-    blocks = -(-plan.prompt_tokens // state.config.block_size)  # its KV while it runs
+    blocks = -(-plan.prompt_tokens // state.config.block_size)  # its KV once it runs (Lease.first_byte)
     if tail is None:
         lease = Lease(backend, plan.new_prefill[index], blocks)
         if not late:

@@ -7,8 +7,12 @@ a machine and carries the load other replicas announced):
 - ``waiting``: requests routed there whose first byte has not come back yet;
 - ``queued_prefill``: the new (uncached) prompt tokens of those requests;
 - ``running``: requests past their first byte and not yet ended;
-- ``blocks``: the KV blocks those requests hold or will hold (their prompts' blocks, from routing to
-  their end): the decode term that Dynamo-style and Bailian-style policies read.
+- ``blocks``: the KV blocks of the ``running`` ones (their prompts' blocks, from the first byte to
+  their end): the router's share of :attr:`~kvroute.views.InstanceView.decode_blocks`. A request that
+  has not produced its first byte may still wait in the engine's queue, where it holds no block yet:
+  its new tokens are already counted in ``queued_prefill``, and counting its blocks too would count
+  the same work twice (the engine allocates them when it schedules the request; from then on the
+  engine's own ``kv_usage`` below covers it).
 
 A request moves waiting → running at its first response byte (for a streamed response that is the
 first token; a non-streamed one stays waiting until it ends) and leaves at its end, whatever the end
@@ -25,7 +29,15 @@ this machine and the other replicas): the batch size is the larger of the two to
 s_running))`` and ``waiting = BS − running`` (a request the engine already runs but that has not sent
 its first byte is counted once, not twice). ``queued_prefill_tokens`` is the router's own (vLLM does not
 export it); ``kv_usage`` is the engine's; ``decode_blocks`` is the larger of the router's own
-``blocks`` and the engine's blocks in use (``kv_usage`` × pool size, when the pool size is known). Scraped values older than ``scrape_stale_s`` are ignored.
+``blocks`` (started requests) and the engine's blocks in use (``kv_usage`` × pool size, when the pool
+size is known): the router's count is fresher for its own requests, the engine's covers a request it
+scheduled whose first byte has not come back yet (and other clients' traffic), as of the last scrape.
+Without a fresh scrape, ``decode_blocks`` is the router's ``blocks`` alone. Scraped values older than
+``scrape_stale_s`` are ignored.
+
+This is the definition of :attr:`~kvroute.views.InstanceView.decode_blocks` the simulator's view
+follows too (:meth:`kvroute.sim.cluster.ClusterSim._view`): a request routed but not started counts in
+``waiting`` and ``queued_prefill_tokens``, never in ``decode_blocks``.
 """
 
 from __future__ import annotations
@@ -302,10 +314,12 @@ class BackendState:
 
 
 class Lease:
-    """One routed attempt's share of a backend's counters: +1 waiting, ``prefill`` queued tokens and
-    ``blocks`` KV blocks on creation, → running at :meth:`first_byte` (the prefill leaves the queue),
-    gone at :meth:`release` (the blocks too). Each step is idempotent, so any exit path may call
-    :meth:`release` (and ``finally`` always does)."""
+    """One routed attempt's share of a backend's counters: +1 waiting and ``prefill`` queued tokens
+    on creation; → running at :meth:`first_byte`, where the prefill leaves the queue and the request's
+    ``blocks`` KV blocks join the backend's ``blocks`` (not before: a request not started may still
+    wait at the engine, holding none; module docstring); all gone at :meth:`release`. Each step is
+    idempotent, so any exit path may call :meth:`release` (and ``finally`` always does): a lease
+    released before its first byte never added its blocks and takes none off."""
 
     __slots__ = ("_clock", "_state", "backend", "blocks", "hold", "prefill")
 
@@ -318,7 +332,7 @@ class Lease:
         # told of the first byte and of the release, at the router's clock (see attach)
         self.hold: Hold | None = None
         self._clock: Callable[[], float] | None = None
-        backend.table.add(backend.slot, waiting=1, prefill=prefill_tokens, blocks=blocks)
+        backend.table.add(backend.slot, waiting=1, prefill=prefill_tokens)
         backend.requests_total += 1
 
     def attach(self, hold: Hold | None, clock: Callable[[], float]) -> None:
@@ -341,10 +355,10 @@ class Lease:
             self.prefill = prefill_tokens
 
     def first_byte(self) -> None:
-        """waiting → running; the prefill tokens leave the queue."""
+        """waiting → running: the prefill tokens leave the queue, the request's blocks join."""
         if self._state == 0:
             b = self.backend
-            b.table.add(b.slot, waiting=-1, running=1, prefill=-self.prefill)
+            b.table.add(b.slot, waiting=-1, running=1, prefill=-self.prefill, blocks=self.blocks)
             self._state = 1
             if self.hold is not None:
                 self.hold.first_token(self._clock())  # type: ignore[misc]
@@ -353,7 +367,7 @@ class Lease:
         """The attempt ended (any way)."""
         b = self.backend
         if self._state == 0:
-            b.table.add(b.slot, waiting=-1, prefill=-self.prefill, blocks=-self.blocks)
+            b.table.add(b.slot, waiting=-1, prefill=-self.prefill)
         elif self._state == 1:
             b.table.add(b.slot, running=-1, blocks=-self.blocks)
         if self._state != 2 and self.hold is not None:

@@ -2,7 +2,8 @@
 
 Columns (per backend *slot*): ``waiting`` (requests routed, first byte not back yet), ``running``
 (first byte back, not ended), ``prefill`` (new prompt tokens of the waiting ones, tokens) and ``blocks``
-(the KV blocks of both, blocks). A backend's slot is found by its URL (:meth:`LoadTable.slot`), so
+(the KV blocks of the running ones, blocks; :class:`~kvroute.server.state.backends.Lease` says why not
+the waiting ones'). A backend's slot is found by its URL (:meth:`LoadTable.slot`), so
 every writer agrees on it whatever order it learnt of the backends in.
 
 Rows: one per writer. A writer (one router process, or one worker of ``kvroute serve --workers N``)

@@ -1,8 +1,10 @@
 """The P/D router's bookkeeping of one instance (a prefill or a decode engine): the requests routed to
 it and not answered yet, with the new prefill tokens of those not started, and its last scraped
 ``/metrics``. Its :meth:`PDInstance.view` is the routing core's :class:`~kvroute.views.InstanceView`:
-BS = requests in flight, queued prefill = their new tokens until started. Mutated by the router's
-handler only (one event loop).
+BS = requests in flight, queued prefill = their new tokens until started, ``decode_blocks`` = the
+engine's blocks in use at the last scrape (``kv_usage`` × pool size): the blocks of the requests it
+has started, never those of requests still queued there (the definition in :mod:`kvroute.views`; the
+P/D simulator reads the same from its engines). Mutated by the router's handler only (one event loop).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class PDInstance:
             queued_prefill_tokens=queued,
             kv_usage=s.kv_usage if s is not None else 0.0,
             kv_capacity_blocks=s.num_kv_blocks if s is not None else 0,
+            decode_blocks=round(s.kv_usage * s.num_kv_blocks) if s is not None else 0,
         )
 
     def add(self, rid: str, new_tokens: int) -> None:

@@ -2,8 +2,8 @@
 
 Every replica consumes the engines' KV events and scrapes their ``/metrics`` itself; what the replicas
 share is only their *reservations*, the router-side counters of :class:`~kvroute.server.state.loadtable.LoadTable`
-(per backend: waiting, running, queued prefill tokens, KV blocks of the requests they routed and that
-have not ended). Best effort: PUB/SUB, no acknowledgements, state that expires.
+(per backend: waiting, running, queued prefill tokens, KV blocks of the requests they routed that
+have started and not ended). Best effort: PUB/SUB, no acknowledgements, state that expires.
 
 **Who does what.** Every process that routes (a router, or each worker of ``kvroute serve --workers
 N``) runs a :class:`PeerPublisher` over its own row of the table: a PUB socket *connected* to every

@@ -207,3 +207,6 @@ def test_pd_instance_view_counts_the_engines_blocks_in_use_not_the_queued_reques
     inst.start("a")
     inst.done("a")
     assert inst.view().decode_blocks == 30  # the engine's, until the next scrape
+    inst.scraped = ScrapedMetrics(1, 0, 0.03, 2.0, num_kv_blocks=1000, block_size=128)
+    v = inst.view(16)  # the router's 16-token blocks: 8 per engine block
+    assert (v.kv_capacity_blocks, v.decode_blocks) == (8000, 240)

@@ -520,6 +520,23 @@ def test_a_routed_request_holds_no_blocks_in_the_view_until_its_first_byte() -> 
     assert b.blocks == 0 and b.view(now=11.5, stale_s=1.0).decode_blocks == 0
 
 
+def test_the_view_counts_an_engines_pool_in_the_routers_blocks() -> None:
+    """vLLM's CPU build has 128-token blocks, the router 16-token ones: the engine's pool and blocks
+    in use come into the view in the router's blocks, the unit of its leases' blocks and of the
+    policies' Q / block size. Regression: the engine's 100 blocks of 128 tokens were read as 100 of
+    16 (K saw an eighth of the pool) and max-merged with the leases' 16-token blocks."""
+    b = BackendState(0, "http://x:1")
+    lease = Lease(b, 0, blocks=300)
+    lease.first_byte()
+    b.scraped = ScrapedMetrics(running=1, waiting=0, kv_usage=0.5, at=0.0, num_kv_blocks=100, block_size=128)
+    v = b.view(0.0, 1.0, block_size=16)
+    assert (v.kv_capacity_blocks, v.decode_blocks) == (800, 400)
+    assert b.view(0.0, 1.0, block_size=128).kv_capacity_blocks == 100
+    legacy = ScrapedMetrics(running=1, waiting=0, kv_usage=0.5, at=0.0, num_kv_blocks=100)  # no block_size
+    assert legacy.pool(16) == (100, 50)
+    lease.release()
+
+
 def test_a_lease_released_before_its_first_byte_takes_no_blocks_off() -> None:
     """An attempt that ends before its first byte (connect error, break, client gone, cancelled)
     never added its blocks: its release leaves the started requests' blocks alone."""

@@ -474,8 +474,9 @@ class PDServer:
         if not self.pools["decode"]:
             return _json_error(ApiError(503, "no decode instance is known yet"), headers)
         now = self.clock()
-        d_views = [i.view() for i in self.pools["decode"].values()]
-        p_views = [i.view() for i in self.pools["prefill"].values()]
+        bs = self.config.block_size
+        d_views = [i.view(bs) for i in self.pools["decode"].values()]
+        p_views = [i.view(bs) for i in self.pools["prefill"].values()]
         dec = self.router.route(rr, p_views, d_views, now)
         self._seq += 1
         record: dict[str, Any] = {
@@ -554,7 +555,7 @@ class PDServer:
         those not tried yet (the load term for D)."""
         if not tried and first.instance in self.pools[pool]:
             return first.instance
-        left = [i.view() for i in self.pools[pool].values() if i.index not in tried]
+        left = [i.view(self.config.block_size) for i in self.pools[pool].values() if i.index not in tried]
         if not left:
             return None
         core = self.cores[pool]

@@ -239,7 +239,7 @@ def router_state(core: RouterState, log: DecisionLog, limit: int = 20) -> dict[s
     backends = []
     for b in core.live_backends():
         waiting, running, prefill, _ = b.table.totals(b.slot, remote=False)
-        v = b.view(now, stale)
+        v = b.view(now, stale, core.config.block_size)
         backends.append(
             {
                 "index": b.index,

@@ -30,7 +30,8 @@ s_running))`` and ``waiting = BS − running`` (a request the engine already run
 its first byte is counted once, not twice). ``queued_prefill_tokens`` is the router's own (vLLM does not
 export it); ``kv_usage`` is the engine's; ``decode_blocks`` is the larger of the router's own
 ``blocks`` (started requests) and the engine's blocks in use (``kv_usage`` × pool size, when the pool
-size is known): the router's count is fresher for its own requests, the engine's covers a request it
+size is known; both in the router's blocks, converted from the engine's block size when its
+``cache_config_info`` states it): the router's count is fresher for its own requests, the engine's covers a request it
 scheduled whose first byte has not come back yet (and other clients' traffic), as of the last scrape.
 Without a fresh scrape, ``decode_blocks`` is the router's ``blocks`` alone. Scraped values older than
 ``scrape_stale_s`` are ignored.
@@ -110,6 +111,15 @@ class ScrapedMetrics:
     at: float
     num_kv_blocks: int = 0
     block_size: int = 0  # the engine's block size, tokens (cache_config_info's block_size; 0: not sent)
+
+    def pool(self, block_size: int = 0) -> tuple[int, int]:
+        """(pool size, blocks in use = ``kv_usage`` × pool) in blocks of ``block_size`` tokens (the
+        router's), converted from the engine's own blocks when both sizes are known and differ (vLLM's
+        CPU build: 128 tokens, a router's 16), else in the engine's blocks. (0, 0): pool unknown."""
+        n = self.num_kv_blocks
+        if block_size > 0 and self.block_size > 0 and self.block_size != block_size:
+            n = n * self.block_size // block_size
+        return n, round(self.kv_usage * n)
 
 
 def _sample_value(line: bytes) -> float | None:
@@ -260,21 +270,24 @@ class BackendState:
         """No request of this process in flight on it (its own LoadTable row is zero)."""
         return not any(self.table.own(self.slot))
 
-    def view(self, now: float, stale_s: float) -> InstanceView:
-        """The merged load view (see the module docstring); ``now`` on the monotonic clock."""
+    def view(self, now: float, stale_s: float, block_size: int = 0) -> InstanceView:
+        """The merged load view (see the module docstring); ``now`` on the monotonic clock.
+        ``block_size``: the router's (its leases' blocks are of that size); the engine's pool and
+        blocks in use are converted to it (:meth:`ScrapedMetrics.pool`; 0: taken as they are)."""
         r_wait, r_run, prefill, blocks = self.table.totals(self.slot)
         s = self.scraped
         if s is not None and now - s.at <= stale_s:
             total = max(r_run + r_wait, s.running + s.waiting)
             running = min(total, max(r_run, s.running))
+            pool, in_use = s.pool(block_size)
             return InstanceView(
                 index=self.index,
                 running=running,
                 waiting=total - running,
                 queued_prefill_tokens=prefill,
                 kv_usage=s.kv_usage,
-                kv_capacity_blocks=s.num_kv_blocks,
-                decode_blocks=max(blocks, round(s.kv_usage * s.num_kv_blocks)),
+                kv_capacity_blocks=pool,
+                decode_blocks=max(blocks, in_use),
             )
         return InstanceView(
             index=self.index,

@@ -38,18 +38,21 @@ class PDInstance:
     started: set[str] = field(default_factory=set)
     scraped: ScrapedMetrics | None = None
 
-    def view(self) -> InstanceView:
+    def view(self, block_size: int = 0) -> InstanceView:
+        """The instance's view (module docstring); its pool and blocks in use in blocks of
+        ``block_size`` tokens, the router's (:meth:`~kvroute.server.state.backends.ScrapedMetrics.pool`)."""
         waiting = len(self.inflight) - len(self.started)
         queued = sum(n for r, n in self.inflight.items() if r not in self.started)
         s = self.scraped
+        pool, in_use = s.pool(block_size) if s is not None else (0, 0)
         return InstanceView(
             index=self.index,
             running=len(self.started),
             waiting=waiting,
             queued_prefill_tokens=queued,
             kv_usage=s.kv_usage if s is not None else 0.0,
-            kv_capacity_blocks=s.num_kv_blocks if s is not None else 0,
-            decode_blocks=round(s.kv_usage * s.num_kv_blocks) if s is not None else 0,
+            kv_capacity_blocks=pool,
+            decode_blocks=in_use,
         )
 
     def add(self, rid: str, new_tokens: int) -> None:

@@ -520,6 +520,25 @@ def test_a_routed_request_holds_no_blocks_in_the_view_until_its_first_byte() -> 
     assert b.blocks == 0 and b.view(now=11.5, stale_s=1.0).decode_blocks == 0
 
 
+def test_adjusting_a_lease_corrects_its_blocks_before_and_after_the_first_byte() -> None:
+    """A deferred tokenization learns the prompt's real length late: before the first byte the
+    corrected blocks are only recorded (they join at the first byte), after it the table moves, after
+    the release nothing does."""
+    b = BackendState(0, "http://x:1")
+    lease = Lease(b, 100, blocks=7)
+    lease.adjust(150, 10)
+    assert (b.queued_prefill, b.blocks) == (150, 0)
+    lease.first_byte()
+    assert (b.queued_prefill, b.blocks) == (0, 10)
+    lease.adjust(160, 12)  # the prefill is done: only the blocks change
+    assert (b.queued_prefill, b.blocks) == (0, 12)
+    lease.adjust(160)
+    assert b.blocks == 12
+    lease.release()
+    lease.adjust(170, 20)
+    assert (b.waiting, b.running, b.queued_prefill, b.blocks) == (0, 0, 0, 0)
+
+
 def test_the_view_counts_an_engines_pool_in_the_routers_blocks() -> None:
     """vLLM's CPU build has 128-token blocks, the router 16-token ones: the engine's pool and blocks
     in use come into the view in the router's blocks, the unit of its leases' blocks and of the

@@ -359,13 +359,19 @@ class Lease:
         """True once the first byte came back."""
         return self._state >= 1
 
-    def adjust(self, prefill_tokens: int) -> None:
-        """The request's prefill turned out to be ``prefill_tokens`` (it was estimated): corrects the
-        queued count while still waiting; afterwards there is nothing to correct."""
+    def adjust(self, prefill_tokens: int, blocks: int | None = None) -> None:
+        """The request's prefill turned out to be ``prefill_tokens`` and its prompt ``blocks`` blocks
+        (both were estimated; None: the blocks stand): corrects the queued count while still waiting
+        (afterwards there is none to correct), and the blocks until the release (counted from the
+        first byte, they are only recorded before it)."""
+        b = self.backend
         if self._state == 0:
-            b = self.backend
             b.table.add(b.slot, prefill=prefill_tokens - self.prefill)
             self.prefill = prefill_tokens
+        elif self._state == 1 and blocks is not None:
+            b.table.add(b.slot, blocks=blocks - self.blocks)
+        if self._state != 2 and blocks is not None:
+            self.blocks = blocks
 
     def first_byte(self) -> None:
         """waiting → running: the prefill tokens leave the queue, the request's blocks join."""

@@ -44,8 +44,8 @@ def takes(state: RouterState, index: int, retry: bool) -> bool:
 
 def reserve(state: RouterState, plan: Plan, index: int, tail: Tail | None) -> Reservation:
     """Lease backend ``index`` for ``plan``'s request (+1 waiting, its new prefill queued; its KV
-    blocks once its first byte is back) and write the routing history unless the backend's view is exact (module docstring).
-    ``tail``: the request's deferred tokenization, told about the attempt."""
+    blocks once its first byte is back) and write the routing history unless the backend's view is
+    exact (module docstring). ``tail``: the request's deferred tokenization, told about the attempt."""
     backend = state.backends[index]
     now = state.clock()
     late = state.kv.mode(index, now) == "exact"

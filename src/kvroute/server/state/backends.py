@@ -31,9 +31,10 @@ its first byte is counted once, not twice). ``queued_prefill_tokens`` is the rou
 export it); ``kv_usage`` is the engine's; ``decode_blocks`` is the larger of the router's own
 ``blocks`` (started requests) and the engine's blocks in use (``kv_usage`` × pool size, when the pool
 size is known; both in the router's blocks, converted from the engine's block size when its
-``cache_config_info`` states it): the router's count is fresher for its own requests, the engine's covers a request it
-scheduled whose first byte has not come back yet (and other clients' traffic), as of the last scrape.
-Without a fresh scrape, ``decode_blocks`` is the router's ``blocks`` alone. Scraped values older than
+``cache_config_info`` states it): the router's count is fresher for its own requests, the engine's
+covers a request it scheduled whose first byte has not come back yet (a non-streamed response's
+first byte comes only at its end) and other clients' traffic, as of the last scrape. Without a fresh
+scrape, ``decode_blocks`` is the router's ``blocks`` alone. Scraped values older than
 ``scrape_stale_s`` are ignored.
 
 This is the definition of :attr:`~kvroute.views.InstanceView.decode_blocks` the simulator's view

@@ -40,7 +40,8 @@ class PDInstance:
 
     def view(self, block_size: int = 0) -> InstanceView:
         """The instance's view (module docstring); its pool and blocks in use in blocks of
-        ``block_size`` tokens, the router's (:meth:`~kvroute.server.state.backends.ScrapedMetrics.pool`)."""
+        ``block_size`` tokens, the router's
+        (:meth:`~kvroute.server.state.backends.ScrapedMetrics.pool`)."""
         waiting = len(self.inflight) - len(self.started)
         queued = sum(n for r, n in self.inflight.items() if r not in self.started)
         s = self.scraped

@@ -1,18 +1,23 @@
 """``decode_blocks`` end to end: the live router's view of an emulated engine (over real HTTP) and the
-simulator's view of the same engine model in the same situation agree, as :mod:`kvroute.views` defines
-it: the blocks of the requests the engine has started, not of one still queued there.
+simulator's view of the same engine model in the same situation agree, in the three phases of a
+request as :mod:`kvroute.views` defines them: (1) routed, before the next scrape (copy): its prompt's
+blocks count, on top of the engine's blocks in use; (2) queued at the engine after a scrape: not
+counted (it holds none; its new tokens are the queued prefill); (3) decoding: counted, as the
+engine's blocks in use.
 
 The situation: an engine with one sequence slot (``max_num_seqs`` 1) decodes a 161-token request A
-(11 blocks of 16 tokens, and still 11 for its next 15 tokens); a 320-token request B (20 blocks) waits
-in the engine's queue. The engine runs 100 times slower than the cost model (``time_scale`` 0.01:
-about 0.46 s of wall time per decode step), so A holds 11 blocks for several seconds of wall time.
+(11 blocks of 16 tokens, and still 11 for its next 15 tokens); a 320-token request B (20 blocks) is
+routed and waits in the engine's queue until A ends. The engine runs 100 times slower than the cost
+model (``time_scale`` 0.01: about 0.46 s of wall time per decode step), so A holds 11 blocks for
+several seconds of wall time. The router scrapes once at its start and then only when the test
+says (its scrape interval is an hour, its scrapes never stale), so each phase is a controlled state,
+not a race with a timer; the test waits only for the engine and the router to reach each state.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import aiohttp
 
@@ -47,26 +52,42 @@ class Recording:
         return Choice(0, tuple(0.0 for _ in instances), self.name)
 
 
-def simulated_view() -> InstanceView:
-    """The simulator's view of one such engine when a third request arrives while A decodes and B
-    waits (after a load copy: B's optimistic entry is gone)."""
+def simulated_view(probe_at: float, b_out: int = 4, a_out: int = 40) -> InstanceView:
+    """The simulator's view of one such engine (A at 0, B at 0.05 s) when a third request arrives at
+    ``probe_at`` seconds (the simulator copies the engine's load every 0.05 s)."""
 
     def req(i: int, at: float, ids: list[int], out: int) -> Request:
         return Request(i, at, len(ids), out, tuple(range(ids[0], ids[0] + len(ids) // BLOCK)), BLOCK)
 
     policy = Recording()
     config = SimConfig(instances=1, kv_capacity_tokens=POOL * BLOCK, max_num_seqs=1)
-    workload = [req(0, 0.0, A_IDS, 40), req(1, 0.05, B_IDS, 4), req(2, 0.2, [3000] * 32, 1)]
+    assert config.scrape_interval == 0.05
+    workload = [req(0, 0.0, A_IDS, a_out), req(1, 0.05, B_IDS, b_out), req(2, probe_at, [3000] * 32, 1)]
     ClusterSim(config, policy, COST).run(iter(workload))
     (prompt, (view,)) = policy.seen[-1]
     assert prompt == 32
     return view
 
 
-async def test_live_and_simulated_views_agree_on_an_engine_queued_request(tokenizer: Tokenizer) -> None:
-    sim = simulated_view()
-    assert (sim.running, sim.waiting, sim.queued_prefill_tokens, sim.decode_blocks) == (1, 1, 320, 11)
+def numbers(view: InstanceView | dict[str, int]) -> tuple[int, int, int, int]:
+    """(running, waiting, queued prefill tokens, decode blocks) of a view or ``/debug/state``'s."""
+    if isinstance(view, InstanceView):
+        return (view.running, view.waiting, view.queued_prefill_tokens, view.decode_blocks)
+    return (view["running"], view["waiting"], view["queued_prefill_tokens"], view["decode_blocks"])
 
+
+def test_the_simulators_three_phases() -> None:
+    """The simulator's side alone (no sockets): B just routed, B queued after a copy, B decoding."""
+    # (1) 0.01 s after B was routed, before the next copy: its optimistic entry adds its 20 blocks
+    assert numbers(simulated_view(0.06)) == (1, 1, 320, 11 + 20)
+    # (2) after a copy, B queued at the engine: A's 11 blocks only
+    assert numbers(simulated_view(0.2)) == (1, 1, 320, 11)
+    # (3) A ended, B decodes: its blocks (20 and its decoded tokens') are the engine's in use
+    running, waiting, queued, blocks = numbers(simulated_view(0.5, b_out=400))
+    assert (running, waiting, queued) == (1, 0, 0) and blocks > 20
+
+
+async def test_live_and_simulated_views_agree_in_the_three_phases(tokenizer: Tokenizer) -> None:
     engine = EmulatorServer(
         EmulatorSettings(
             model_name="emu",
@@ -83,11 +104,29 @@ async def test_live_and_simulated_views_agree_on_an_engine_queued_request(tokeni
         block_size=BLOCK,
         admin_token=TOKEN,
         health_interval_s=0.2,
+        scrape_interval_s=3600.0,  # one scrape at the start; the others are the test's
+        scrape_idle_interval_s=3600.0,
+        scrape_stale_s=3600.0,
     )
     router = RouterServer(cfg, tokenizer=tokenizer)
     url = await router.start()
     auth = {"Authorization": f"Bearer {TOKEN}"}
+    backend = router.state.backends[0]
+
+    async def until(cond: Callable[[], bool], what: str) -> None:
+        for _ in range(1000):  # up to ~20 s on a loaded machine
+            if cond():
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    async def live_view(s: aiohttp.ClientSession) -> dict[str, int]:
+        async with s.get(url + "/debug/state", headers=auth) as r:
+            (b,) = (await r.json())["backends"]
+        return b["view"]
+
     try:
+        await until(lambda: backend.scraped is not None, "the first scrape")
         async with aiohttp.ClientSession() as s:
             a = await s.post(
                 url + "/v1/completions",
@@ -95,42 +134,49 @@ async def test_live_and_simulated_views_agree_on_an_engine_queued_request(tokeni
             )
             assert a.status == 200
             assert (await a.content.readline()).startswith(b"data: ")  # A started: first byte back
+            await router.monitor.scrape(backend)  # the engine's copy: A running, its 11 blocks
+            assert engine.model.load().decode_blocks == 11, "A decoded past its 11th block: too slow"
             b_task = asyncio.create_task(
                 s.post(
                     url + "/v1/completions",
-                    json={"model": "emu", "prompt": B_IDS, "max_tokens": 4, "stream": True},
+                    json={"model": "emu", "prompt": B_IDS, "max_tokens": 400, "stream": True},
                 )
             )
-            view: dict[str, object] = {}
-            for _ in range(500):  # B queued at the engine and a scrape since: up to ~10 s on a loaded machine
-                stats = engine.model.stats()
-                async with s.get(url + "/debug/state", headers=auth) as r:
-                    (backend,) = (await r.json())["backends"]
-                view = backend["view"]
-                if stats.waiting == 1 and view["kv_capacity_blocks"] == POOL and view["waiting"] == 1:
-                    break
-                await asyncio.sleep(0.02)
-            assert engine.model.stats().running == 1 and engine.model.stats().waiting == 1
-            held = engine.model.load().decode_blocks  # A's blocks, the engine's own count
-            assert held == 11, "A decoded past its 11th block: the machine is too slow for this test"
-            live = (view["running"], view["waiting"], view["queued_prefill_tokens"], view["decode_blocks"])
-            assert live == (sim.running, sim.waiting, sim.queued_prefill_tokens, sim.decode_blocks)
-            assert view["kv_capacity_blocks"] == sim.kv_capacity_blocks
-            # B never started: its 20 blocks are nowhere in the router's count
-            assert router.state.backends[0].blocks == 11
-            # Both clients go away: B before its first byte (still queued), then A after it.
-            b_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await b_task
+            await until(lambda: engine.model.stats().waiting == 1, "B queued at the engine")
+            # (1) B routed, no scrape since: its 20 blocks are pending, on top of the engine's 11
+            assert numbers(await live_view(s)) == numbers(simulated_view(0.06)) == (1, 1, 320, 31)
+            assert (backend.waiting, backend.blocks, backend.pending) == (1, 31, 20)
+            # (2) a scrape began after B was routed: the engine's copy covers B, queued, holding none
+            await router.monitor.scrape(backend)
+            assert engine.model.load().decode_blocks == 11, "A decoded past its 11th block: too slow"
+            assert (backend.waiting, backend.blocks, backend.pending) == (1, 31, 0)
+            view = await live_view(s)
+            assert view["kv_capacity_blocks"] == POOL
+            assert numbers(view) == numbers(simulated_view(0.2)) == (1, 1, 320, 11)
+            # (3) A's client goes away (the engine aborts A), B starts and decodes
             a.close()
-        for _ in range(500):
-            b0, st = router.state.backends[0], engine.model.stats()
-            if (b0.waiting, b0.running, b0.queued_prefill, b0.blocks, st.running, st.waiting) == (0,) * 6:
-                break
-            await asyncio.sleep(0.02)
-        b0, st = router.state.backends[0], engine.model.stats()
-        assert (b0.waiting, b0.running, b0.queued_prefill, b0.blocks) == (0, 0, 0, 0)
-        assert (st.running, st.waiting) == (0, 0)  # the engine dropped both
+            b = await b_task
+            assert b.status == 200
+            assert (await b.content.readline()).startswith(b"data: ")  # B's first byte
+            await until(lambda: engine.model.stats().running == 1, "B decoding")
+            for _ in range(20):  # a scrape with no block boundary crossed while it ran
+                held = engine.model.load().decode_blocks  # B's blocks, the engine's own count
+                await router.monitor.scrape(backend)
+                live = numbers(await live_view(s))
+                if engine.model.load().decode_blocks == held:
+                    break
+            sim = numbers(simulated_view(0.5, b_out=400))
+            assert held >= 20 and live == (1, 0, 0, held) and sim[:3] == live[:3] and sim[3] >= 20
+            assert (backend.waiting, backend.running, backend.blocks, backend.pending) == (0, 1, 20, 0)
+            b.close()
+        await until(
+            lambda: (
+                (backend.waiting, backend.running, backend.queued_prefill, backend.blocks, backend.pending)
+                == (0,) * 5
+                and engine.model.stats().running == engine.model.stats().waiting == 0
+            ),
+            "both requests gone",
+        )
     finally:
         await router.stop()
         await engine.stop()

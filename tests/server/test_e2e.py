@@ -70,7 +70,7 @@ async def cluster() -> AsyncIterator[Cluster]:
 
 def counters_zero(router: RouterServer) -> bool:
     return all(
-        b.waiting == 0 and b.running == 0 and b.queued_prefill == 0 and b.blocks == 0
+        b.waiting == 0 and b.running == 0 and b.queued_prefill == 0 and b.blocks == 0 and b.pending == 0
         for b in router.state.backends
     )
 

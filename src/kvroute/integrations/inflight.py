@@ -42,9 +42,11 @@ prefill while it had prefill left, else off the running count); the times decide
 requests of the deployment's other routers (their load comes without ids).
 
 **KV blocks** (``decode_blocks``): the snapshot's blocks in use, ``kv_usage`` × ``kv_capacity_blocks``
-(0 without both): the blocks of the requests the replica's engine has started, as the simulator copies
-them. A request routed since the snapshot adds none (it may wait in the engine's queue, holding none;
-its new tokens count in the queued prefill already: the definition in :mod:`kvroute.views`).
+(0 without both). This is the one view that does not follow the simulator's and the live router's
+rule (the engine's blocks in use plus the prompt blocks of the requests routed since the copy:
+:attr:`kvroute.views.InstanceView.decode_blocks`): a reservation here holds its new prefill tokens
+only, not its prompt's length, so a request routed since the snapshot adds no blocks (its new tokens
+count in the queued prefill and the waiting count, as above).
 
 Without a report every in-flight request counts as waiting with its new prefill queued, until it
 completes. A reservation is made when the core decides (so the next decision sees it at once),

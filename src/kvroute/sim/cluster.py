@@ -15,17 +15,16 @@ The router here is the simulator's twin of the live router (``kvroute.server``):
   prefill tokens as queued and its prompt's blocks as held (the decode term), until its first token
   or the next copy (which then includes it).
 
-  ``decode_blocks`` follows the one definition of :class:`~kvroute.views.InstanceView` (blocks of the
-  requests the engine has started, not of those queued there) but for where the live router
-  (:mod:`kvroute.server.state.backends`) differs, for at most one ``scrape_interval`` (0.05 s by
-  default) per request. Live, a request's blocks count from its first byte (its lease) or from the
-  first scrape after the engine scheduled it, whichever comes first. Here they count from the first
-  copy after the engine scheduled it, and two things differ: a request routed since the last copy
-  also counts its prompt's blocks here (its optimistic entry) until its first token or the next copy,
-  even while it waits in the engine's queue, where live counts none; and such a request counts none
-  here from its first token to the next copy, where live counts its lease. Dropping the optimistic
-  blocks (exact parity) changes ``kvroute sim``'s results on the preset's cells (most for ``dynamo``,
-  whose cost reads them directly), so the simulator keeps them and the committed results stand.
+  ``decode_blocks`` is therefore the engine's blocks in use at the copy plus the blocks of the
+  requests routed since it: the definition of :attr:`~kvroute.views.InstanceView.decode_blocks`,
+  which the live router (:mod:`kvroute.server.state.backends`) follows with its scrapes in place of
+  the copies, at the same interval by default (0.05 s). What differs live: a scrape takes time where
+  a copy here is instantaneous (a request routed while a scrape is in flight counts until the next
+  one), a request's first byte reaches the router a network hop after the engine's first token, and
+  without a fresh scrape the live router counts the blocks of all its requests in flight. The
+  optimistic blocks matter: without them (a request routed since the copy adding no blocks until the
+  next copy) ``kvroute sim`` gives other results on most of the preset's cells
+  (``docs/results/policy-findings.md``, "What is not shown here").
 
 Requests reach the chosen engine at once; engines are woken at their ``next_time()``.
 

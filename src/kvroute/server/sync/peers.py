@@ -150,7 +150,8 @@ def new_replica_id() -> str:
 
 
 def delta_kind(waiting: int, running: int) -> str:
-    """What a lease did, from the change of its counters: reserve, start, adjust or release."""
+    """What a lease did, from the change of its counters: reserve, start, adjust (a correction, or
+    its pending blocks settled by a scrape) or release."""
     if waiting > 0:
         return "reserve"
     if waiting < 0 and running > 0:

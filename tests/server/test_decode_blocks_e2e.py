@@ -121,9 +121,10 @@ async def test_live_and_simulated_views_agree_in_the_three_phases(tokenizer: Tok
         raise AssertionError(f"timed out waiting for {what}")
 
     async def live_view(s: aiohttp.ClientSession) -> dict[str, int]:
+        """``/debug/state``'s view of the backend; its own counters too (``blocks``, ``pending``)."""
         async with s.get(url + "/debug/state", headers=auth) as r:
             (b,) = (await r.json())["backends"]
-        return b["view"]
+        return {**b["view"], "blocks": b["blocks"], "pending": b["pending_blocks"]}
 
     try:
         await until(lambda: backend.scraped is not None, "the first scrape")
@@ -144,13 +145,14 @@ async def test_live_and_simulated_views_agree_in_the_three_phases(tokenizer: Tok
             )
             await until(lambda: engine.model.stats().waiting == 1, "B queued at the engine")
             # (1) B routed, no scrape since: its 20 blocks are pending, on top of the engine's 11
-            assert numbers(await live_view(s)) == numbers(simulated_view(0.06)) == (1, 1, 320, 31)
-            assert (backend.waiting, backend.blocks, backend.pending) == (1, 31, 20)
+            view = await live_view(s)
+            assert numbers(view) == numbers(simulated_view(0.06)) == (1, 1, 320, 31)
+            assert (view["blocks"], view["pending"]) == (31, 20)
             # (2) a scrape began after B was routed: the engine's copy covers B, queued, holding none
             await router.monitor.scrape(backend)
             assert engine.model.load().decode_blocks == 11, "A decoded past its 11th block: too slow"
-            assert (backend.waiting, backend.blocks, backend.pending) == (1, 31, 0)
             view = await live_view(s)
+            assert (view["blocks"], view["pending"]) == (31, 0)
             assert view["kv_capacity_blocks"] == POOL
             assert numbers(view) == numbers(simulated_view(0.2)) == (1, 1, 320, 11)
             # (3) A's client goes away (the engine aborts A), B starts and decodes

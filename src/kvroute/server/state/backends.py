@@ -364,7 +364,7 @@ class BackendState:
 
 class Lease:
     """One routed attempt's share of a backend's counters, made at ``at`` (the router's monotonic
-    clock, seconds): +1 waiting, ``prefill`` queued tokens, ``blocks`` KV blocks and the same blocks
+    clock, seconds; the default 0 is older than any scrape, so the first one settles it): +1 waiting, ``prefill`` queued tokens, ``blocks`` KV blocks and the same blocks
     ``pending`` on creation; → running at :meth:`first_byte` (the prefill and the pending blocks
     leave); gone at :meth:`release` (the blocks too, and the pending ones if still there). The pending
     blocks also leave when a scrape that began after ``at`` completes (:meth:`settle`, through

@@ -5,7 +5,8 @@ BS = requests in flight, queued prefill = their new tokens until started, ``deco
 engine's blocks in use at the last scrape (``kv_usage`` × pool size) plus the prompt blocks of the
 requests routed to it since that scrape began and not started yet (*pending*): the same sum as the
 single-pool router's (:mod:`kvroute.server.state.backends`) and the simulator's
-(:mod:`kvroute.views`). Before the first scrape: the blocks of every request in flight. Unlike the
+(:mod:`kvroute.views`; the P/D simulator's views are always current, this rule with nothing
+pending). Before the first scrape: the blocks of every request in flight. Unlike the
 single-pool router, a scrape counts however old it is (the P/D router has no staleness limit), and
 the router is one process (no other writer's pending blocks). Mutated by the router's handler and its
 scrape loop only (one event loop).

@@ -161,7 +161,7 @@ class Monitor:
         body: dict[str, object] = {"prompt": list(prefix.tokens), "max_tokens": 1}
         if prefix.model is not None:
             body["model"] = prefix.model
-        lease = Lease(backend, len(prefix.tokens))
+        lease = Lease(backend, len(prefix.tokens), at=core.clock())
         core.kv.on_routed(index, prefix.chain, core.clock())
         ok = False
         try:

@@ -44,7 +44,8 @@ This mirrors the simulator's view (:meth:`kvroute.sim.cluster.ClusterSim._view`,
 :attr:`~kvroute.views.InstanceView.decode_blocks`): the engine's blocks in use at its last copy plus
 the blocks of the requests routed since that copy, until their first token or the next copy. What
 is approximate: a scrape takes time (the simulator's copy is instantaneous), so a request routed
-while a scrape is in flight stays pending until the next one; a worker settles its own leases
+while a scrape is in flight stays pending until the next one (if the engine scheduled it before it
+answered that scrape, its blocks count twice until then); a worker settles its own leases
 (:meth:`BackendState.settle`: at its next decision, and within one ``scrape_interval_s`` on its
 scrape loop), so another worker of the machine may count them up to that long after the scrape; a
 replica's leases settle at its own scrapes and reach the others with its announcement.
@@ -287,7 +288,7 @@ class BackendState:
         if not q:
             return
         s = self.scraped if scrape is None else scrape
-        if s is None:
+        if s is None or next(iter(q)).at >= s.at:  # the usual case on the request path: none to settle
             return
         for lease in list(q):
             if lease.at >= s.at:

@@ -24,7 +24,16 @@ class InstanceView:
     - ``queued_prefill_tokens``: prefill tokens routed to this instance and not yet computed.
     - ``kv_usage``: fraction of the KV block pool in use.
     - ``kv_capacity_blocks``: size of the KV block pool, in blocks (0 if unknown).
-    - ``decode_blocks``: KV blocks held by running sequences (Dynamo's active decode blocks).
+    - ``decode_blocks``: KV blocks, the engine's blocks in use at the router's last copy of its load
+      (Dynamo's active decode blocks: those of the requests it has started; a request queued there
+      holds none) *plus* the prompt blocks of the requests routed since that copy, until their first
+      token or the next copy (Dynamo's incoming blocks: the router cannot know yet whether they run
+      or queue, and a burst routed between two copies must not all look free of them). The two
+      parts count disjoint requests, hence a sum. The simulator copies every ``scrape_interval``
+      (:meth:`kvroute.sim.cluster.ClusterSim._view`); the live router scrapes every
+      ``scrape_interval_s`` (the same 50 ms by default) and counts the requests routed since the
+      last completed scrape *began* (:mod:`kvroute.server.state.backends`, which states what is
+      approximate); with no fresh scrape it counts the blocks of all its requests in flight.
     - ``tags``: free-form labels such as ``"spot"``; ``warming`` marks a cold-starting instance.
     - ``max_batched_tokens``: the engine's chunk budget, tokens one step computes at most (vLLM's
       ``max_num_batched_tokens``); ``max_num_seqs``: its batch limit, sequences. 0: unknown. The

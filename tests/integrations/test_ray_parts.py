@@ -70,6 +70,21 @@ def test_instance_view_adds_late_requests_and_removes_finished_ones() -> None:
     assert (v.running, v.waiting, v.queued_prefill_tokens) == (0, 2, 30)
 
 
+def test_instance_view_decode_blocks_are_the_snapshots_blocks_in_use_only() -> None:
+    """``decode_blocks`` (views.py): the blocks the replica's engine holds for the requests it has
+    started, ``kv_usage`` × pool at the snapshot, as the simulator copies them; a request routed
+    since the snapshot adds its queued prefill, never blocks. Regression: it was 0 (K and the step's
+    context saw an empty pool)."""
+    stats = {"running": 1, "waiting": 1, "queued_prefill_tokens": 64, "time": 10.0}
+    full = {**stats, "kv_usage": 0.25, "kv_capacity_blocks": 400}
+    v = instance_view(0, full, [(11.0, 320)], [])
+    assert (v.waiting, v.queued_prefill_tokens, v.decode_blocks) == (2, 384, 100)
+    assert instance_view(0, full, [], []).decode_blocks == 100
+    assert instance_view(0, {**stats, "kv_usage": 0.25}, [], []).decode_blocks == 0  # pool unknown
+    assert instance_view(0, {**full, "kv_usage": float("nan")}, [], []).decode_blocks == 0
+    assert instance_view(0, {}, [(1.0, 10)]).decode_blocks == 0  # no snapshot
+
+
 def test_instance_view_ends_prefill_at_the_replicas_ttft_estimate() -> None:
     """With ``ttft_p50_s`` a request's prefill ends at reserved + ttft: after that it is running
     with no prefill left (it decodes), not waiting with its whole prompt queued until it completes."""

@@ -70,7 +70,7 @@ async def cluster() -> AsyncIterator[Cluster]:
 
 def counters_zero(router: RouterServer) -> bool:
     return all(
-        b.waiting == 0 and b.running == 0 and b.queued_prefill == 0 and b.blocks == 0
+        b.waiting == 0 and b.running == 0 and b.queued_prefill == 0 and b.blocks == 0 and b.pending == 0
         for b in router.state.backends
     )
 
@@ -212,6 +212,8 @@ async def test_client_disconnect_cancels_upstream(cluster: Cluster, tokenizer: T
     async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
         await r.content.readline()
         assert eng.model.stats().running == 1
+        b = router.state.backends[0]
+        assert (b.running, b.queued_prefill) == (1, 0) and b.blocks > 0  # started: its blocks count
         r.close()  # drop the connection mid-stream
     assert await eventually(lambda: eng.model.stats().running == 0 and eng.model.stats().waiting == 0)
     assert await eventually(lambda: counters_zero(router))

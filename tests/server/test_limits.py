@@ -181,7 +181,10 @@ class BigStream(FakeEngine):
 
 
 def counters_zero(router: RouterServer) -> bool:
-    return all(b.waiting == 0 and b.running == 0 and b.queued_prefill == 0 for b in router.state.backends)
+    return all(
+        (b.waiting, b.running, b.queued_prefill, b.blocks, b.pending) == (0, 0, 0, 0, 0)
+        for b in router.state.backends
+    )
 
 
 async def until(cond: Callable[[], bool]) -> bool:

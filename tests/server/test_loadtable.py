@@ -74,3 +74,39 @@ def test_a_shared_table_sums_real_worker_processes_and_agrees_on_slots() -> None
         assert parent.own(x) == (0, 0, 0, 0)
     finally:
         parent.close(unlink=True)
+
+
+def test_pending_blocks_of_every_writer_reach_the_view_and_each_writer_settles_its_own() -> None:
+    """Two workers of a machine over one shared table (and a peer replica's announced load): a view
+    sums every writer's pending blocks; a scrape recorded by the scraper settles a worker's leases
+    when that worker settles (its next view, or its scrape loop), so until then another worker's
+    view still counts them: the approximation the backends module states."""
+    from kvroute.server.state.backends import BackendState, Lease, ScrapedMetrics
+
+    lock = mp.get_context("spawn").Lock()
+    parent, spec = LoadTable.create_shared(2, lock, slots=8)
+    other = LoadTable.attach(spec, 1, lock)
+    try:
+        a, b = BackendState(0, "http://e", parent), BackendState(0, "http://e", other)
+        mine = Lease(a, 100, blocks=7, at=1.0)
+        theirs = Lease(b, 50, blocks=3, at=1.1)
+        parent.set_remote(a.slot, 1, 0, 10, 5, 5)  # a peer's request, pending at the peer
+        a.scraped = ScrapedMetrics(running=0, waiting=0, kv_usage=0.0, at=0.5, num_kv_blocks=100)
+        assert a.view(1.2, 10.0).decode_blocks == b.view(1.2, 10.0).decode_blocks == 7 + 3 + 5
+        a.scraped = ScrapedMetrics(running=0, waiting=2, kv_usage=0.0, at=1.15, num_kv_blocks=100)
+        assert a.view(1.2, 10.0).decode_blocks == 3 + 5  # a settled its own lease; b has not yet
+        assert (mine.pending, theirs.pending) == (False, True)
+        b.settle()  # b's scrape loop (or its next view)
+        assert a.view(1.2, 10.0).decode_blocks == 5  # the peer's, until it announces its settlement
+        parent.set_remote(a.slot, 1, 0, 10, 5, 0)
+        assert a.view(1.2, 10.0).decode_blocks == 0
+        assert b.view(1.2, 10.0).decode_blocks == 0
+        mine.release()
+        theirs.release()
+        assert (parent.pending(a.slot, remote=False), parent.totals(a.slot, remote=False)) == (
+            0,
+            (0, 0, 0, 0),
+        )
+    finally:
+        other.close()
+        parent.close(unlink=True)

@@ -74,6 +74,24 @@ def test_deltas_sum_over_senders_and_workers_and_reach_the_remote_row() -> None:
     assert len(rec.senders) == 3 and rec.received["delta"] == 4
 
 
+def test_pending_blocks_travel_in_deltas_and_refreshes_and_default_to_zero() -> None:
+    rec, table, _ = receiver()
+    slot = table.slot(U1)
+    rec.handle(encode(Delta("a", 0, 1, U1, 1, 0, 4000, 250, 250)))  # reserved: its blocks pending
+    assert table.pending(slot) == 250 and table.pending(slot, remote=False) == 0
+    rec.handle(encode(Delta("a", 0, 2, U1, 0, 0, 0, 0, -250)))  # a's scrape settled it
+    assert table.pending(slot) == 0 and remote(table, U1) == (1, 0, 4000, 250)
+    rec.handle(reserve("b", 1))  # a sender without the field: no pending blocks
+    assert table.pending(slot) == 0 and remote(table, U1) == (2, 0, 8000, 500)
+    rec.handle(encode(Refresh("a", 0, 3, [(U1, 2, 0, 10, 20)], {U1: 7})))
+    assert table.pending(slot) == 7 and remote(table, U1) == (3, 0, 4010, 270)
+    rec.handle(encode(Refresh("a", 0, 4, [(U1, 2, 0, 10, 20)])))  # the same load, none pending now
+    assert table.pending(slot) == 0
+    rec.handle(encode(Bye("b", 0, 2)))
+    rec.handle(encode(Bye("a", 0, 5)))
+    assert remote(table, U1) == (0, 0, 0, 0) and table.pending(slot) == 0
+
+
 def test_own_messages_are_ignored() -> None:
     rec, table, _ = receiver()
     rec.handle(reserve("me", 1))
@@ -173,9 +191,12 @@ def test_publisher_announces_each_lease_step_and_refreshes_its_row() -> None:
         deltas = [m for _, m in sent if isinstance(m, Delta)]
         assert [m.seq for _, m in sent] == [1, 2, 3, 4, 5, 6, 7]
         assert (deltas[0].url, deltas[0].waiting, deltas[0].prefill, deltas[0].blocks) == (U1, 1, 4000, 250)
+        # its blocks are pending from the reservation to the start (first byte)
+        assert (deltas[0].pending, deltas[1].pending, deltas[2].pending) == (250, 0, -250)
         refresh = sent[4][1]
         assert isinstance(refresh, Refresh)
         assert refresh.rows == [(U1, 0, 1, 0, 250), (U2, 1, 0, 10, 1)]
+        assert refresh.pending == {U2: 1}  # the started one has none pending
     finally:
         pub.close()
     assert table.announce is None
@@ -206,6 +227,7 @@ async def test_publisher_to_receiver_over_zmq() -> None:
             await asyncio.sleep(0.02)
         assert remote(table_b, U1) == (1, 0, 4000, 250)
         assert table_b.totals(slot) == (2, 0, 4001, 251)
+        assert table_b.pending(slot) == 251 and table_b.pending(slot, remote=False) == 1
         lease.release()
         for _ in range(1500):  # up to ~30 s on a loaded machine
             if remote(table_b, U1) == (0, 0, 0, 0):

@@ -188,3 +188,31 @@ def test_kv_view_shortfall_drops_the_backend_s_history_and_leaves_the_exact_view
     kv.set_engine_block_size(1, 128)
     kv.on_usage(1, chain, 0, 7, 0.0)  # short by 112 < one engine block of 128: no evidence
     assert kv.shortfalls == {0: 1} and kv.approx.match(other, 2) == [0, 4]
+
+
+def test_pd_instance_view_sums_the_engines_blocks_in_use_and_the_pending_requests() -> None:
+    """The P/D router's view follows ``decode_blocks``' definition (views.py), as the single-pool
+    router does: before any scrape the blocks of every request in flight; then the blocks the engine
+    holds at the last scrape (``kv_usage`` × pool) plus those of the requests routed since that scrape
+    began and not started. Regression: it was 0 (no KV term at all), then the engine's alone."""
+    from kvroute.server.state.backends import ScrapedMetrics
+    from kvroute.server.state.pdpools import PDBackend, PDInstance
+
+    inst = PDInstance(0, PDBackend("http://d:1"))
+    inst.add("a", 300, blocks=20, at=1.0)
+    v = inst.view()
+    assert (v.waiting, v.queued_prefill_tokens, v.decode_blocks) == (1, 300, 20)  # no scrape yet
+    inst.add("b", 100, blocks=7, at=1.5)
+    inst.scrape(ScrapedMetrics(running=1, waiting=1, kv_usage=0.03, at=1.2, num_kv_blocks=1000))
+    v = inst.view()  # "a" routed before the scrape began (the engine's copy covers it), "b" after
+    assert (v.queued_prefill_tokens, v.kv_capacity_blocks, v.decode_blocks) == (400, 1000, 30 + 7)
+    inst.start("b")  # started: the next copy covers it
+    assert inst.view().decode_blocks == 30
+    inst.start("a")
+    inst.done("a")
+    inst.done("b")
+    assert inst.view().decode_blocks == 30  # the engine's, until the next scrape
+    assert not (inst.inflight or inst.blocks or inst.pending or inst.started)
+    inst.scrape(ScrapedMetrics(1, 0, 0.03, 2.0, num_kv_blocks=1000, block_size=128))
+    v = inst.view(16)  # the router's 16-token blocks: 8 per engine block
+    assert (v.kv_capacity_blocks, v.decode_blocks) == (8000, 240)

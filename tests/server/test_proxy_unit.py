@@ -33,7 +33,7 @@ async def start(transport: FakeTransport, tokenizer: Tokenizer, *urls: str, **kw
 
 def counters_zero(server: RouterServer) -> bool:
     return all(
-        b.waiting == 0 and b.running == 0 and b.queued_prefill == 0 and b.blocks == 0
+        b.waiting == 0 and b.running == 0 and b.queued_prefill == 0 and b.blocks == 0 and b.pending == 0
         for b in server.state.backends
     )
 
@@ -204,6 +204,8 @@ async def test_client_disconnect_aborts_upstream(tokenizer: Tokenizer) -> None:
                     break
                 await asyncio.sleep(0.01)
             assert server.state.backends[0].waiting == 1
+            # routed, no first byte: its new prefill is queued, its blocks held by the router's lease
+            assert server.state.backends[0].queued_prefill > 0 and server.state.backends[0].blocks > 0
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task

@@ -98,9 +98,14 @@ async def test_scraper_slows_down_while_idle_and_speeds_up_with_requests_in_flig
         # 0.05, 0.1, 0.2, 0.4, 0.4, ...: about 7 rounds in 2 s, not 40
         assert 3 <= idle <= 10 and scrapers[0].interval_s == 0.4
         assert states[1].kv.engine_block_size(0) == 32 and states[0].kv.engine_block_size(0) == 32
-        lease = Lease(states[1].backends[0], 100)  # another worker's request in flight
+        follower = states[1].backends[0]
+        lease = Lease(follower, 100, blocks=5, at=states[1].clock())  # another worker's request in flight
+        assert follower.pending == 5
         await asyncio.sleep(1.0)
         busy = monitors[0].scrapes - idle
+        # the scraper's scrapes since covered it; the follower's loop settled its pending blocks
+        # (no view of the follower's ran)
+        assert not lease.pending and parent.pending(follower.slot) == 0
         lease.release()
         assert busy >= 8 and scrapers[0].interval_s == 0.05  # ~20 at 50 ms; the idle rate was ~2.5/s
     finally:

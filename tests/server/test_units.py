@@ -119,23 +119,57 @@ def test_merge_takes_larger_total_without_double_counting() -> None:
     assert (v.running, v.waiting, v.kv_usage) == (0, 2, 0.0)
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 2), st.integers(0, 500)), max_size=40))
-def test_leases_always_return_counters_to_zero(ops: list[tuple[int, int, int]]) -> None:
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 5), st.integers(0, 4), st.integers(0, 500), st.integers(0, 40)), max_size=40
+    )
+)
+def test_leases_always_return_counters_to_zero(ops: list[tuple[int, int, int, int]]) -> None:
+    """Any order of reservations, first bytes, releases (before the first byte: an error, a client
+    disconnect or a cancellation while waiting), adjustments and completed scrapes: ``blocks`` counts
+    the blocks of every unreleased lease, ``pending`` those of the unstarted, unreleased ones made
+    since the last scrape began (a lease made at t, a scrape at t' settles it iff t < t'), the view
+    sums the engine's blocks in use and ``pending`` (fresh scrape) or reads ``blocks`` (none), and
+    everything returns to zero."""
     b = BackendState(0, "http://a:1")
     leases: list[Lease] = []
-    for pick, action, tokens in ops:
+    made: list[float] = []
+    ended: set[int] = set()
+    settled: set[int] = set()
+    last_scrape = None
+    for step, (pick, action, tokens, blocks) in enumerate(ops):
+        now = float(step)
+        k = pick % len(leases) if leases else -1
         if action == 0 or not leases:
-            leases.append(Lease(b, tokens))
+            leases.append(Lease(b, tokens, blocks, now))
+            made.append(now)
         elif action == 1:
-            leases[pick % len(leases)].first_byte()
+            leases[k].first_byte()
+        elif action == 2:
+            leases[k].release()
+            ended.add(k)
+        elif action == 3:  # a scrape that began half a step ago completes: 2 of 100 blocks in use
+            last_scrape = ScrapedMetrics(running=1, waiting=0, kv_usage=0.02, at=now - 0.5, num_kv_blocks=100)
+            b.scraped = last_scrape
+            b.settle(last_scrape)
+            settled |= {j for j, t in enumerate(made) if t < last_scrape.at}
         else:
-            leases[pick % len(leases)].release()
+            leases[k].adjust(tokens, blocks)
         assert b.waiting >= 0 and b.running >= 0 and b.queued_prefill >= 0
+        alive = [j for j in range(len(leases)) if j not in ended]
+        pending = [j for j in alive if not leases[j].started and j not in settled]
+        assert b.blocks == sum(leases[j].blocks for j in alive)
+        assert b.pending == sum(leases[j].blocks for j in pending)
+        assert all(leases[j].pending == (j in pending) for j in range(len(leases)))
+        fresh = b.view(now, 100.0).decode_blocks
+        assert fresh == (b.blocks if last_scrape is None else 2 + b.pending)
+        assert b.view(now + 200.0, 100.0).decode_blocks == b.blocks  # stale: the router's own
     for lease in leases:
         lease.release()
         lease.release()
-    assert (b.waiting, b.running, b.queued_prefill) == (0, 0, 0)
+    assert (b.waiting, b.running, b.queued_prefill, b.blocks, b.pending) == (0, 0, 0, 0, 0)
+    assert not b._pending  # no lease left behind
 
 
 def test_health_ejection_and_readmission() -> None:
@@ -483,23 +517,89 @@ async def test_subscriber_drains_a_burst_in_order() -> None:
         ctx.term()
 
 
-def test_lease_holds_the_request_blocks_until_release_and_the_view_reads_them() -> None:
-    """The decode term moves with the router's own traffic: a lease's blocks count from routing to its
-    end (not only while waiting), and the view reports the larger of them and the engine's usage."""
-    from kvroute.server.state.backends import BackendState, Lease, ScrapedMetrics
-
+def test_a_routed_requests_blocks_count_until_the_next_scrape_or_its_first_byte() -> None:
+    """``decode_blocks`` (views.py) as the simulator builds it: the engine's blocks in use at the last
+    scrape plus the blocks of the requests routed since that scrape began (pending) until their first
+    byte or the next completed scrape, which covers them (in use once the engine schedules them, none
+    while they wait in its queue). A sum, not a max: the two sets are disjoint. Regression: a max of
+    the engine's blocks and the router's started ones let a burst routed inside one scrape interval
+    add nothing, so it herded onto one instance."""
     b = BackendState(0, "http://x:1")
-    lease = Lease(b, 100, blocks=7)
-    assert b.view(0.0, 1.0).decode_blocks == 7
+    b.scraped = ScrapedMetrics(running=1, waiting=0, kv_usage=0.05, at=9.98, num_kv_blocks=100)
+    first = Lease(b, 100, blocks=7, at=10.0)
+    second = Lease(b, 50, blocks=3, at=10.01)
+    v = b.view(now=10.02, stale_s=1.0)  # routed since the scrape began: 5 in use + 7 + 3 pending
+    assert (v.running, v.waiting, v.queued_prefill_tokens, v.decode_blocks) == (1, 1, 150, 15)
+    # A scrape begun at 10.005 completes: the engine runs another client's request and queues both
+    # of ours (holding no block); it covers the first (routed before it began), not the second.
+    b.scraped = ScrapedMetrics(running=1, waiting=2, kv_usage=0.05, at=10.005, num_kv_blocks=100)
+    v = b.view(now=10.03, stale_s=1.0)
+    assert (v.waiting, v.queued_prefill_tokens, v.decode_blocks) == (2, 150, 8)
+    assert (first.pending, second.pending, b.pending) == (False, True, 3)
+    second.first_byte()  # started: the engine's next copy holds its blocks; none pending
+    assert b.view(now=10.04, stale_s=1.0).decode_blocks == 5
+    b.scraped = ScrapedMetrics(running=2, waiting=1, kv_usage=0.08, at=10.05, num_kv_blocks=100)
+    assert b.view(now=10.06, stale_s=1.0).decode_blocks == 8
+    assert b.view(now=11.5, stale_s=1.0).decode_blocks == 10  # stale scrape: every lease's blocks
+    first.release()
+    second.release()
+    second.release()
+    assert (b.blocks, b.pending) == (0, 0) and b.view(now=11.5, stale_s=1.0).decode_blocks == 0
+
+
+def test_adjusting_a_lease_corrects_its_blocks_and_its_pending_ones() -> None:
+    """A deferred tokenization learns the prompt's real length late: the corrected blocks replace
+    the estimate's in ``blocks`` until the release, and in ``pending`` while the lease is pending;
+    after the release nothing moves."""
+    b = BackendState(0, "http://x:1")
+    lease = Lease(b, 100, blocks=7, at=1.0)
+    lease.adjust(150, 10)
+    assert (b.queued_prefill, b.blocks, b.pending) == (150, 10, 10)
     lease.first_byte()
-    assert b.view(0.0, 1.0).decode_blocks == 7 and b.queued_prefill == 0
-    b.scraped = ScrapedMetrics(running=1, waiting=0, kv_usage=0.5, at=0.0, num_kv_blocks=100)
-    assert b.view(0.0, 1.0).decode_blocks == 50  # the engine holds more than this router's requests
+    assert (b.queued_prefill, b.blocks, b.pending) == (0, 10, 0)
+    lease.adjust(160, 12)  # the prefill is done: only the blocks change
+    assert (b.queued_prefill, b.blocks, b.pending) == (0, 12, 0)
+    lease.adjust(160)
+    assert b.blocks == 12
+    settled = Lease(b, 10, blocks=4, at=2.0)
+    b.settle(ScrapedMetrics(running=1, waiting=1, kv_usage=0.0, at=2.5))
+    settled.adjust(10, 6)  # settled: the blocks move, nothing pending
+    assert (b.blocks, b.pending) == (18, 0)
     lease.release()
+    settled.release()
+    lease.adjust(170, 20)
+    assert (b.waiting, b.running, b.queued_prefill, b.blocks, b.pending) == (0, 0, 0, 0, 0)
+
+
+def test_the_view_counts_an_engines_pool_in_the_routers_blocks() -> None:
+    """vLLM's CPU build has 128-token blocks, the router 16-token ones: the engine's pool and blocks
+    in use come into the view in the router's blocks, the unit of its leases' blocks and of the
+    policies' Q / block size. Regression: the engine's 100 blocks of 128 tokens were read as 100 of
+    16 (K saw an eighth of the pool) and merged with the leases' 16-token blocks."""
+    b = BackendState(0, "http://x:1")
+    lease = Lease(b, 0, blocks=300, at=1.0)
+    b.scraped = ScrapedMetrics(running=1, waiting=0, kv_usage=0.5, at=0.5, num_kv_blocks=100, block_size=128)
+    v = b.view(1.0, 1.0, block_size=16)
+    assert (v.kv_capacity_blocks, v.decode_blocks) == (800, 400 + 300)
+    assert b.view(1.0, 1.0, block_size=128).kv_capacity_blocks == 100
+    legacy = ScrapedMetrics(running=1, waiting=0, kv_usage=0.5, at=0.0, num_kv_blocks=100)  # no block_size
+    assert legacy.pool(16) == (100, 50)
     lease.release()
-    assert b.blocks == 0
-    b.scraped = None
-    assert b.view(0.0, 1.0).decode_blocks == 0
+
+
+def test_a_lease_released_before_its_first_byte_takes_its_pending_blocks_off() -> None:
+    """An attempt that ends before its first byte (connect error, break, client gone, cancelled)
+    takes its blocks and its pending ones off, once; the started requests' blocks stay."""
+    b = BackendState(0, "http://x:1")
+    started = Lease(b, 50, blocks=4, at=1.0)
+    started.first_byte()
+    failed = Lease(b, 80, blocks=6, at=2.0)
+    assert (b.blocks, b.pending) == (10, 6)
+    failed.release()
+    failed.first_byte()  # too late: released is final
+    assert (b.waiting, b.running, b.queued_prefill, b.blocks, b.pending) == (0, 1, 0, 4, 0)
+    started.release()
+    assert (b.waiting, b.running, b.queued_prefill, b.blocks, b.pending) == (0, 0, 0, 0, 0)
 
 
 def test_token_cache_is_bounded_by_tokens_not_only_entries(tokenizer: object) -> None:

@@ -41,6 +41,13 @@ comes off as the snapshot counted it (off the waiting count and its prefill left
 prefill while it had prefill left, else off the running count); the times decide only for the
 requests of the deployment's other routers (their load comes without ids).
 
+**KV blocks** (``decode_blocks``): the snapshot's blocks in use, ``kv_usage`` × ``kv_capacity_blocks``
+(0 without both). This is the one view that does not follow the simulator's and the live router's
+rule (the engine's blocks in use plus the prompt blocks of the requests routed since the copy:
+:attr:`kvroute.views.InstanceView.decode_blocks`): a reservation here holds its new prefill tokens
+only, not its prompt's length, so a request routed since the snapshot adds no blocks (its new tokens
+count in the queued prefill and the waiting count, as above).
+
 Without a report every in-flight request counts as waiting with its new prefill queued, until it
 completes. A reservation is made when the core decides (so the next decision sees it at once),
 moved to the replica Ray actually sent the request to (``on_request_routed``: Ray may fall back to
@@ -251,13 +258,16 @@ def instance_view(
         running = max(0, running - gone_running - (len(gone_prefilling) - off_waiting))
         queued = max(0, _int(stats, "queued_prefill_tokens") - sum(gone_prefilling)) + sum(late_prefilling)
         usage = stats.get("kv_usage")
+        kv_usage = min(1.0, max(0.0, float(usage))) if isinstance(usage, int | float) else 0.0
+        capacity = _int(stats, "kv_capacity_blocks")
         return InstanceView(
             index=index,
             running=running,
             waiting=waiting,
             queued_prefill_tokens=queued,
-            kv_usage=min(1.0, max(0.0, float(usage))) if isinstance(usage, int | float) else 0.0,
-            kv_capacity_blocks=_int(stats, "kv_capacity_blocks"),
+            kv_usage=kv_usage,
+            kv_capacity_blocks=capacity,
+            decode_blocks=round(kv_usage * capacity),
             max_batched_tokens=_int(stats, "max_num_batched_tokens"),
             max_num_seqs=_int(stats, "max_num_seqs"),
         )

@@ -8,10 +8,11 @@ free fraction of the KV pool, the same blow-up as a queue's 1 / (1 − utilisati
     score(i) = P-token(i) × (BS(i) + 1) × C(i) / (C(i) − D(i))
 
 - P-token, BS: as in :class:`~kvroute.policies.lmetric.LMetric` (tokens, requests).
-- C(i) = ``kv_capacity_blocks``, D(i) = ``decode_blocks`` (KV blocks held by the running sequences and
-  by requests routed there and not yet started), both in blocks, so the factor is dimensionless and
-  >= 1. With D >= C (the pool is committed beyond its size) the free space counts as one block
-  (factor C). With C unknown (0) the factor is 1: the policy is plain ``lmetric``.
+- C(i) = ``kv_capacity_blocks``, D(i) = ``decode_blocks`` (the engine's blocks in use at the last
+  load copy plus those of the requests routed since: :class:`~kvroute.views.InstanceView`), both in
+  blocks, so the factor is dimensionless and >= 1. With D >= C (the pool is committed beyond its
+  size) the free space counts as one block (factor C). With C unknown (0) the factor is 1: the
+  policy is plain ``lmetric``.
 - No hyperparameter: on an empty pool the factor is 1 and the score is the paper's; it doubles at half
   full and grows without bound as the pool fills.
 - Ties: lower BS, then lower ``InstanceView.index`` (as ``lmetric``).

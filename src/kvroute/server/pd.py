@@ -346,12 +346,13 @@ class PDServer:
         while True:
             for inst in [*self.pools["prefill"].values(), *self.pools["decode"].values()]:
                 assert self._http is not None
+                began = self.clock()  # the scrape's time: requests routed before it settle
                 try:
                     async with self._http.get(inst.backend.url + "/metrics") as r:
                         if r.status == 200:
-                            got = parse_vllm_metrics(await r.read(), self.clock())
+                            got = parse_vllm_metrics(await r.read(), began)
                             if got is not None:
-                                inst.scraped = got
+                                inst.scrape(got)
                 except (TimeoutError, aiohttp.ClientError, OSError):
                     pass
             await asyncio.sleep(self.config.scrape_interval)
@@ -474,8 +475,9 @@ class PDServer:
         if not self.pools["decode"]:
             return _json_error(ApiError(503, "no decode instance is known yet"), headers)
         now = self.clock()
-        d_views = [i.view() for i in self.pools["decode"].values()]
-        p_views = [i.view() for i in self.pools["prefill"].values()]
+        bs = self.config.block_size
+        d_views = [i.view(bs) for i in self.pools["decode"].values()]
+        p_views = [i.view(bs) for i in self.pools["prefill"].values()]
         dec = self.router.route(rr, p_views, d_views, now)
         self._seq += 1
         record: dict[str, Any] = {
@@ -554,7 +556,7 @@ class PDServer:
         those not tried yet (the load term for D)."""
         if not tried and first.instance in self.pools[pool]:
             return first.instance
-        left = [i.view() for i in self.pools[pool].values() if i.index not in tried]
+        left = [i.view(self.config.block_size) for i in self.pools[pool].values() if i.index not in tried]
         if not left:
             return None
         core = self.cores[pool]
@@ -585,7 +587,8 @@ class PDServer:
             tried.add(idx)
             inst = self.pools["prefill"][idx]
             key = record["key"]
-            inst.add(key, decision.new_prefill(idx) if idx == decision.instance else rr.prompt_tokens)
+            new = decision.new_prefill(idx) if idx == decision.instance else rr.prompt_tokens
+            inst.add(key, new, -(-rr.prompt_tokens // self.config.block_size), self.clock())
             self.cores["prefill"].kv.on_routed(idx, rr.chain, self.clock())
             try:
                 resp = await self._send(inst.backend.url, path, raw, rid)
@@ -665,7 +668,7 @@ class PDServer:
             inst = self.pools["decode"][idx]
             url = inst.backend.url
             key = record["key"]
-            inst.add(key, new_tokens)
+            inst.add(key, new_tokens, -(-rr.prompt_tokens // self.config.block_size), self.clock())
             self.cores["decode"].kv.on_routed(idx, rr.chain, self.clock())
             record["decode"] = url
             headers.update({"x-kvroute-decode": url, "x-kvroute-backend": url})

@@ -15,6 +15,17 @@ The router here is the simulator's twin of the live router (``kvroute.server``):
   prefill tokens as queued and its prompt's blocks as held (the decode term), until its first token
   or the next copy (which then includes it).
 
+  ``decode_blocks`` is therefore the engine's blocks in use at the copy plus the blocks of the
+  requests routed since it: the definition of :attr:`~kvroute.views.InstanceView.decode_blocks`,
+  which the live router (:mod:`kvroute.server.state.backends`) follows with its scrapes in place of
+  the copies, at the same interval by default (0.05 s). What differs live: a scrape takes time where
+  a copy here is instantaneous (a request routed while a scrape is in flight counts until the next
+  one), a request's first byte reaches the router a network hop after the engine's first token, and
+  without a fresh scrape the live router counts the blocks of all its requests in flight. The
+  optimistic blocks matter: without them (a request routed since the copy adding no blocks until the
+  next copy) ``kvroute sim`` gives other results on most of the preset's cells
+  (``docs/results/policy-findings.md``, "What is not shown here").
+
 Requests reach the chosen engine at once; engines are woken at their ``next_time()``.
 
 **Router-side queue** (``router_queue``, :mod:`kvroute.routing.queue`): a request whose instances are

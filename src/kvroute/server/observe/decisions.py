@@ -229,12 +229,19 @@ def record_json(rec: DecisionRecord, url_of: Callable[[int], str]) -> dict[str, 
 
 def router_state(core: RouterState, log: DecisionLog, limit: int = 20) -> dict[str, Any]:
     """The router's state as JSON-able data (for ``GET /debug/state`` and a dashboard): the policy,
-    the request counters, every live backend's load and KV view mode, and the newest ``limit``
-    decisions (newest first). Reads only; ``core.clock`` for the KV view modes."""
+    the request counters, every live backend's load (this machine's counters: ``blocks`` of its
+    requests in flight, ``pending_blocks`` of those a scrape does not cover yet) and KV view mode, its
+    ``view`` (the merged load a policy reads now: :meth:`~kvroute.server.state.backends.BackendState.view`,
+    every router's counters and the last scrape; ``decode_blocks`` as :mod:`kvroute.views` defines it),
+    and the newest ``limit`` decisions (newest first). Reads only, but for what a view does first:
+    settle this process's pending blocks against the last scrape (idempotent); ``core.clock`` for the
+    KV view modes and the scrapes' age."""
     now = core.clock()
+    stale = core.config.scrape_stale_s
     backends = []
     for b in core.live_backends():
-        waiting, running, prefill, _ = b.table.totals(b.slot, remote=False)
+        v = b.view(now, stale, core.config.block_size)  # first: it settles the pending blocks
+        waiting, running, prefill, blocks = b.table.totals(b.slot, remote=False)
         backends.append(
             {
                 "index": b.index,
@@ -244,8 +251,18 @@ def router_state(core: RouterState, log: DecisionLog, limit: int = 20) -> dict[s
                 "waiting": waiting,
                 "running": running,
                 "queued_prefill_tokens": prefill,
+                "blocks": blocks,
+                "pending_blocks": b.table.pending(b.slot, remote=False),
                 "kv_mode": core.kv.mode(b.index, now),
                 "requests_total": b.requests_total,
+                "view": {
+                    "running": v.running,
+                    "waiting": v.waiting,
+                    "queued_prefill_tokens": v.queued_prefill_tokens,
+                    "kv_usage": v.kv_usage,
+                    "kv_capacity_blocks": v.kv_capacity_blocks,
+                    "decode_blocks": v.decode_blocks,
+                },
             }
         )
     c = core.counters

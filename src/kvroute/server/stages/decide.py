@@ -85,7 +85,7 @@ def candidate_views(
         candidates = state.pools.select(model, state.live_backends(), candidates)
     stale = state.config.scrape_stale_s
     limits = state.config.engine_limits
-    views = [b.view(now, stale) for b in candidates]
+    views = [b.view(now, stale, state.config.block_size) for b in candidates]
     if limits != (0, 0):
         tokens, seqs = limits
         views = [dataclasses.replace(v, max_batched_tokens=tokens, max_num_seqs=seqs) for v in views]

@@ -44,19 +44,19 @@ def takes(state: RouterState, index: int, retry: bool) -> bool:
 
 def reserve(state: RouterState, plan: Plan, index: int, tail: Tail | None) -> Reservation:
     """Lease backend ``index`` for ``plan``'s request (+1 waiting, its new prefill queued, its KV
-    blocks) and write the routing history unless the backend's view is exact (module docstring).
-    ``tail``: the request's deferred tokenization, told about the attempt."""
+    blocks, pending until its first byte or the next scrape: :class:`Lease`) and write the routing history unless the backend's view is
+    exact (module docstring). ``tail``: the request's deferred tokenization, told about the attempt."""
     backend = state.backends[index]
     now = state.clock()
     late = state.kv.mode(index, now) == "exact"
-    blocks = -(-plan.prompt_tokens // state.config.block_size)  # its KV while it runs
+    blocks = -(-plan.prompt_tokens // state.config.block_size)  # its KV once it runs
     if tail is None:
-        lease = Lease(backend, plan.new_prefill[index], blocks)
+        lease = Lease(backend, plan.new_prefill[index], blocks, now)
         if not late:
             state.kv.on_routed(index, plan.chain, now)
     else:
         known = tail.chain is not None
-        lease = Lease(backend, tail.prefill(index) if known else plan.new_prefill[index], blocks)
+        lease = Lease(backend, tail.prefill(index) if known else plan.new_prefill[index], blocks, now)
         if not late:
             state.kv.on_routed(index, tail.chain or plan.chain, now)
         tail.routed.append(index)

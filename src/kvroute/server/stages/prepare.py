@@ -273,7 +273,8 @@ class Tail:
         for idx in self.routed:
             self.state.kv.on_routed(idx, self.chain, now)
         if self.lease is not None:
-            self.lease.adjust(self.prefill(self.lease.backend.index))
+            blocks = -(-self.n_tokens // self.state.config.block_size)  # as reserve() counts them
+            self.lease.adjust(self.prefill(self.lease.backend.index), blocks)
 
     def prefill(self, idx: int) -> int:
         """The exact new prefill on backend ``idx`` (once the tail is tokenized)."""

@@ -7,8 +7,13 @@ a machine and carries the load other replicas announced):
 - ``waiting``: requests routed there whose first byte has not come back yet;
 - ``queued_prefill``: the new (uncached) prompt tokens of those requests;
 - ``running``: requests past their first byte and not yet ended;
-- ``blocks``: the KV blocks those requests hold or will hold (their prompts' blocks, from routing to
-  their end): the decode term that Dynamo-style and Bailian-style policies read.
+- ``blocks``: the KV blocks (their prompts' blocks) of both, from routing to their end;
+- ``pending``: the blocks of the ``waiting`` ones routed since the backend's last completed scrape
+  *began*: requests the engine's last copy of its load cannot cover yet. A :class:`Lease` adds its
+  blocks here when it is made and takes them out at the first of: its first byte, its release, or
+  the completion of a scrape that began after it was made (:meth:`BackendState.settle`; that scrape
+  covers it: its blocks are in the engine's ``kv_usage`` once the engine scheduled it, and while it
+  waits in the engine's queue it holds none and counts in ``queued_prefill`` only).
 
 A request moves waiting → running at its first response byte (for a streamed response that is the
 first token; a non-streamed one stays waiting until it ends) and leaves at its end, whatever the end
@@ -18,14 +23,32 @@ so the counters return to zero when traffic stops.
 Scraped engine metrics (every ``scrape_interval_s``, from ``/metrics``; older but they include
 traffic from other clients): ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc`` (or the older ``vllm:gpu_cache_usage_perc``), summed over label sets.
+A scrape's time (:attr:`ScrapedMetrics.at`) is when it *began*: the engine's numbers describe some
+moment between then and its completion.
 
 **Merge** (:meth:`BackendState.view`; router counters summed over the table's rows: every worker of
 this machine and the other replicas): the batch size is the larger of the two totals,
 ``BS = max(r_running + r_waiting, s_running + s_waiting)``; ``running = min(BS, max(r_running,
 s_running))`` and ``waiting = BS − running`` (a request the engine already runs but that has not sent
 its first byte is counted once, not twice). ``queued_prefill_tokens`` is the router's own (vLLM does not
-export it); ``kv_usage`` is the engine's; ``decode_blocks`` is the larger of the router's own
-``blocks`` and the engine's blocks in use (``kv_usage`` × pool size, when the pool size is known). Scraped values older than ``scrape_stale_s`` are ignored.
+export it); ``kv_usage`` is the engine's. ``decode_blocks`` is the *sum* of the engine's blocks in use
+(``kv_usage`` × pool size, when the pool size is known; in the router's blocks, converted from the
+engine's block size when its ``cache_config_info`` states it) and the ``pending`` blocks: the two
+count disjoint sets of requests (a pending request was routed after the scrape began, so the engine's
+copy does not hold its blocks; once a later scrape completes it leaves ``pending`` and the copy
+covers it), so a sum counts each request once, where a max would drop a burst routed inside one
+scrape interval. Without a fresh scrape (none yet, older than ``scrape_stale_s``, or a backend without
+``/metrics``), ``decode_blocks`` is the router's ``blocks``: every request it has in flight there.
+
+This mirrors the simulator's view (:meth:`kvroute.sim.cluster.ClusterSim._view`, the definition in
+:attr:`~kvroute.views.InstanceView.decode_blocks`): the engine's blocks in use at its last copy plus
+the blocks of the requests routed since that copy, until their first token or the next copy. What
+is approximate: a scrape takes time (the simulator's copy is instantaneous), so a request routed
+while a scrape is in flight stays pending until the next one (if the engine scheduled it before it
+answered that scrape, its blocks count twice until then); a worker settles its own leases
+(:meth:`BackendState.settle`: at its next decision, and within one ``scrape_interval_s`` on its
+scrape loop), so another worker of the machine may count them up to that long after the scrape; a
+replica's leases settle at its own scrapes and reach the others with its announcement.
 """
 
 from __future__ import annotations
@@ -90,7 +113,8 @@ both sides). A server that ignores the query sends the whole page, which parses 
 
 @dataclass(frozen=True, slots=True)
 class ScrapedMetrics:
-    """What one ``/metrics`` scrape said; ``at`` is the router's monotonic clock, seconds."""
+    """What one ``/metrics`` scrape said; ``at``: when the scrape began, the router's monotonic clock,
+    seconds."""
 
     running: int
     waiting: int
@@ -98,6 +122,15 @@ class ScrapedMetrics:
     at: float
     num_kv_blocks: int = 0
     block_size: int = 0  # the engine's block size, tokens (cache_config_info's block_size; 0: not sent)
+
+    def pool(self, block_size: int = 0) -> tuple[int, int]:
+        """(pool size, blocks in use = ``kv_usage`` × pool) in blocks of ``block_size`` tokens (the
+        router's), converted from the engine's own blocks when both sizes are known and differ (vLLM's
+        CPU build: 128 tokens, a router's 16), else in the engine's blocks. (0, 0): pool unknown."""
+        n = self.num_kv_blocks
+        if block_size > 0 and self.block_size > 0 and self.block_size != block_size:
+            n = n * self.block_size // block_size
+        return n, round(self.kv_usage * n)
 
 
 def _sample_value(line: bytes) -> float | None:
@@ -174,6 +207,7 @@ class BackendState:
     check). Only an active, healthy backend is a routing candidate."""
 
     __slots__ = (
+        "_pending",
         "failures",
         "healthy",
         "index",
@@ -195,6 +229,9 @@ class BackendState:
         self.state = ACTIVE
         self.failures = 0  # consecutive failed health checks
         self.successes = 0  # consecutive good health checks while ejected
+        # this process's leases whose blocks are pending, in the order they were made (a dict as an
+        # ordered set: a lease leaves it in O(1) at its first byte, release or settlement)
+        self._pending: dict[Lease, None] = {}
 
     @property
     def scraped(self) -> ScrapedMetrics | None:
@@ -239,6 +276,26 @@ class BackendState:
         return self.table.own(self.slot)[3]
 
     @property
+    def pending(self) -> int:
+        return self.table.own_pending(self.slot)
+
+    def settle(self, scrape: ScrapedMetrics | None = None) -> None:
+        """Take out of ``pending`` the blocks of this process's leases made before ``scrape`` (default:
+        the last one recorded) began: its copy of the engine's load covers them (module docstring).
+        Idempotent; the scraper calls it after each scrape, every worker on its scrape loop and
+        before each view."""
+        q = self._pending
+        if not q:
+            return
+        s = self.scraped if scrape is None else scrape
+        if s is None or next(iter(q)).at >= s.at:  # the usual case on the request path: none to settle
+            return
+        for lease in list(q):
+            if lease.at >= s.at:
+                break
+            lease.settle()
+
+    @property
     def routable(self) -> bool:
         """Active and healthy: may take a new request."""
         return self.healthy and self.state == ACTIVE
@@ -248,21 +305,26 @@ class BackendState:
         """No request of this process in flight on it (its own LoadTable row is zero)."""
         return not any(self.table.own(self.slot))
 
-    def view(self, now: float, stale_s: float) -> InstanceView:
-        """The merged load view (see the module docstring); ``now`` on the monotonic clock."""
-        r_wait, r_run, prefill, blocks = self.table.totals(self.slot)
+    def view(self, now: float, stale_s: float, block_size: int = 0) -> InstanceView:
+        """The merged load view (see the module docstring); ``now`` on the monotonic clock.
+        ``block_size``: the router's (its leases' blocks are of that size); the engine's pool and
+        blocks in use are converted to it (:meth:`ScrapedMetrics.pool`; 0: taken as they are).
+        Settles this process's pending leases first (:meth:`settle`)."""
         s = self.scraped
+        self.settle(s)
+        r_wait, r_run, prefill, blocks = self.table.totals(self.slot)
         if s is not None and now - s.at <= stale_s:
             total = max(r_run + r_wait, s.running + s.waiting)
             running = min(total, max(r_run, s.running))
+            pool, in_use = s.pool(block_size)
             return InstanceView(
                 index=self.index,
                 running=running,
                 waiting=total - running,
                 queued_prefill_tokens=prefill,
                 kv_usage=s.kv_usage,
-                kv_capacity_blocks=s.num_kv_blocks,
-                decode_blocks=max(blocks, round(s.kv_usage * s.num_kv_blocks)),
+                kv_capacity_blocks=pool,
+                decode_blocks=in_use + max(self.table.pending(self.slot), 0),
             )
         return InstanceView(
             index=self.index,
@@ -302,23 +364,29 @@ class BackendState:
 
 
 class Lease:
-    """One routed attempt's share of a backend's counters: +1 waiting, ``prefill`` queued tokens and
-    ``blocks`` KV blocks on creation, → running at :meth:`first_byte` (the prefill leaves the queue),
-    gone at :meth:`release` (the blocks too). Each step is idempotent, so any exit path may call
-    :meth:`release` (and ``finally`` always does)."""
+    """One routed attempt's share of a backend's counters, made at ``at`` (the router's monotonic
+    clock, seconds; the default 0 is older than any scrape, so the first one settles it): +1 waiting, ``prefill`` queued tokens, ``blocks`` KV blocks and the same blocks
+    ``pending`` on creation; → running at :meth:`first_byte` (the prefill and the pending blocks
+    leave); gone at :meth:`release` (the blocks too, and the pending ones if still there). The pending
+    blocks also leave when a scrape that began after ``at`` completes (:meth:`settle`, through
+    :meth:`BackendState.settle`; module docstring). Each step is idempotent, so any exit path may call
+    :meth:`release` (and ``finally`` always does), and the counters return to zero whatever the order."""
 
-    __slots__ = ("_clock", "_state", "backend", "blocks", "hold", "prefill")
+    __slots__ = ("_clock", "_pending", "_state", "at", "backend", "blocks", "hold", "prefill")
 
-    def __init__(self, backend: BackendState, prefill_tokens: int, blocks: int = 0) -> None:
+    def __init__(self, backend: BackendState, prefill_tokens: int, blocks: int = 0, at: float = 0.0) -> None:
         self.backend = backend
         self.prefill = prefill_tokens
         self.blocks = blocks
+        self.at = at
         self._state = 0  # 0 waiting, 1 running, 2 released
+        self._pending = True  # its blocks (even 0: an adjustment may add some) count as pending
         # the policy's own bookkeeping of this attempt (RoutingCore.dispatched; None for most policies):
         # told of the first byte and of the release, at the router's clock (see attach)
         self.hold: Hold | None = None
         self._clock: Callable[[], float] | None = None
-        backend.table.add(backend.slot, waiting=1, prefill=prefill_tokens, blocks=blocks)
+        backend.table.add(backend.slot, waiting=1, prefill=prefill_tokens, blocks=blocks, pending=blocks)
+        backend._pending[self] = None
         backend.requests_total += 1
 
     def attach(self, hold: Hold | None, clock: Callable[[], float]) -> None:
@@ -332,19 +400,47 @@ class Lease:
         """True once the first byte came back."""
         return self._state >= 1
 
-    def adjust(self, prefill_tokens: int) -> None:
-        """The request's prefill turned out to be ``prefill_tokens`` (it was estimated): corrects the
-        queued count while still waiting; afterwards there is nothing to correct."""
+    @property
+    def pending(self) -> bool:
+        """True while its blocks count in the backend's ``pending`` ones (not started, not released,
+        not covered by a completed scrape)."""
+        return self._pending
+
+    def adjust(self, prefill_tokens: int, blocks: int | None = None) -> None:
+        """The request's prefill turned out to be ``prefill_tokens`` and its prompt ``blocks`` blocks
+        (both were estimated; None: the blocks stand): corrects the queued count while still waiting
+        (afterwards there is none to correct), and the blocks (and the pending ones while pending)
+        until the release."""
+        b = self.backend
+        d_prefill = prefill_tokens - self.prefill if self._state == 0 else 0
+        d_blocks = blocks - self.blocks if blocks is not None and self._state != 2 else 0
+        if d_prefill or d_blocks:
+            b.table.add(b.slot, prefill=d_prefill, blocks=d_blocks, pending=d_blocks if self._pending else 0)
         if self._state == 0:
-            b = self.backend
-            b.table.add(b.slot, prefill=prefill_tokens - self.prefill)
             self.prefill = prefill_tokens
+        if d_blocks:
+            self.blocks = blocks  # type: ignore[assignment]
+
+    def settle(self) -> None:
+        """A completed scrape covers this request: its blocks leave the backend's ``pending``."""
+        if self._pending:
+            self._pending = False
+            b = self.backend
+            del b._pending[self]
+            b.table.add(b.slot, pending=-self.blocks)
+
+    def _unpend(self) -> None:
+        if self._pending:
+            self._pending = False
+            self.backend._pending.pop(self, None)
 
     def first_byte(self) -> None:
-        """waiting → running; the prefill tokens leave the queue."""
+        """waiting → running: the prefill tokens and the pending blocks leave."""
         if self._state == 0:
             b = self.backend
-            b.table.add(b.slot, waiting=-1, running=1, prefill=-self.prefill)
+            pending = -self.blocks if self._pending else 0
+            self._unpend()
+            b.table.add(b.slot, waiting=-1, running=1, prefill=-self.prefill, pending=pending)
             self._state = 1
             if self.hold is not None:
                 self.hold.first_token(self._clock())  # type: ignore[misc]
@@ -353,9 +449,11 @@ class Lease:
         """The attempt ended (any way)."""
         b = self.backend
         if self._state == 0:
-            b.table.add(b.slot, waiting=-1, prefill=-self.prefill, blocks=-self.blocks)
+            pending = -self.blocks if self._pending else 0
+            b.table.add(b.slot, waiting=-1, prefill=-self.prefill, blocks=-self.blocks, pending=pending)
         elif self._state == 1:
             b.table.add(b.slot, running=-1, blocks=-self.blocks)
+        self._unpend()
         if self._state != 2 and self.hold is not None:
             self.hold.finished(self._clock())  # type: ignore[misc]
         self._state = 2

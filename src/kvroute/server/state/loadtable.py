@@ -1,9 +1,12 @@
 """The router's in-flight load per backend: one table, shared by every writer that routes to the fleet.
 
 Columns (per backend *slot*): ``waiting`` (requests routed, first byte not back yet), ``running``
-(first byte back, not ended), ``prefill`` (new prompt tokens of the waiting ones, tokens) and ``blocks``
-(the KV blocks of both, blocks). A backend's slot is found by its URL (:meth:`LoadTable.slot`), so
-every writer agrees on it whatever order it learnt of the backends in.
+(first byte back, not ended), ``prefill`` (new prompt tokens of the waiting ones, tokens), ``blocks``
+(the prompt KV blocks of both, from routing to the end, blocks) and ``pending`` (the blocks of the
+waiting ones routed since the backend's last completed scrape began, blocks: the router's optimistic
+share of ``decode_blocks``; :class:`~kvroute.server.state.backends.Lease` says when they leave). A
+backend's slot is found by its URL (:meth:`LoadTable.slot`), so every writer agrees on it whatever
+order it learnt of the backends in.
 
 Rows: one per writer. A writer (one router process, or one worker of ``kvroute serve --workers N``)
 only adds to its own row, so no lock is needed on the request path; readers sum the rows
@@ -36,8 +39,8 @@ from typing import Any
 
 __all__ = ["COLUMNS", "LoadTable", "SharedTableSpec"]
 
-COLUMNS = ("waiting", "running", "prefill", "blocks")
-_W, _R, _P, _B = range(4)
+COLUMNS = ("waiting", "running", "prefill", "blocks", "pending")
+_N = len(COLUMNS)  # int64 cells per (row, slot)
 _URL_BYTES = 512  # one registry entry: a NUL-padded UTF-8 URL
 DEFAULT_SLOTS = 1024
 _SCR = (
@@ -47,9 +50,9 @@ _ELECT = 2  # cells after the scraped records: the scraper's writer row + 1 (0: 
 
 
 def _counts_bytes(writers: int, slots: int) -> int:
-    """Bytes of the counts segment: ``writers`` rows and the remote row of 4 cells per slot, the
+    """Bytes of the counts segment: ``writers`` rows and the remote row of ``_N`` cells per slot, the
     scraped records and the election cells (int64 each)."""
-    return ((writers + 1) * slots * 4 + slots * _SCR + _ELECT) * 8
+    return ((writers + 1) * slots * _N + slots * _SCR + _ELECT) * 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,16 +88,16 @@ class LoadTable:
         self.writer = writer
         self.writers = writers
         self.slots = slots
-        self._base = writer * slots * 4
-        self._remote = writers * slots * 4
-        self._scr = (writers + 1) * slots * 4  # first scraped record
+        self._base = writer * slots * _N
+        self._remote = writers * slots * _N
+        self._scr = (writers + 1) * slots * _N  # first scraped record
         self._elect = self._scr + slots * _SCR
         self._lock = lock
         self._shm = owned
         self._slot_of: dict[str, int] = {}
-        # This process's listener of its own row's changes (slot, waiting, running, prefill, blocks):
-        # the peer publisher (kvroute.server.sync.peers), called in the same step as the change.
-        self.announce: Callable[[int, int, int, int, int], None] | None = None
+        # This process's listener of its own row's changes (slot, waiting, running, prefill, blocks,
+        # pending): the peer publisher (kvroute.server.sync.peers), called in the same step as the change.
+        self.announce: Callable[[int, int, int, int, int, int], None] | None = None
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -190,10 +193,18 @@ class LoadTable:
 
     # ---- counts ---------------------------------------------------------------------------------
 
-    def add(self, slot: int, waiting: int = 0, running: int = 0, prefill: int = 0, blocks: int = 0) -> None:
+    def add(
+        self,
+        slot: int,
+        waiting: int = 0,
+        running: int = 0,
+        prefill: int = 0,
+        blocks: int = 0,
+        pending: int = 0,
+    ) -> None:
         """Add the deltas to this writer's row (the request path: no lock, no allocation)."""
         q = self._q
-        i = self._base + slot * 4
+        i = self._base + slot * _N
         if waiting:
             q[i] += waiting
         if running:
@@ -202,47 +213,62 @@ class LoadTable:
             q[i + 2] += prefill
         if blocks:
             q[i + 3] += blocks
+        if pending:
+            q[i + 4] += pending
         announce = self.announce
         if announce is not None:
-            announce(slot, waiting, running, prefill, blocks)
+            announce(slot, waiting, running, prefill, blocks, pending)
 
     def own(self, slot: int) -> tuple[int, int, int, int]:
         """This writer's (waiting, running, prefill, blocks) on ``slot``."""
         q = self._q
-        i = self._base + slot * 4
+        i = self._base + slot * _N
         return q[i], q[i + 1], q[i + 2], q[i + 3]
+
+    def own_pending(self, slot: int) -> int:
+        """This writer's ``pending`` blocks on ``slot``."""
+        return self._q[self._base + slot * _N + 4]
 
     def totals(self, slot: int, remote: bool = True) -> tuple[int, int, int, int]:
         """(waiting, running, prefill, blocks) on ``slot`` summed over this machine's writers and, with
         ``remote``, the other replicas' announced load."""
         q = self._q
-        stride = self.slots * 4
+        stride = self.slots * _N
         w = r = p = b = 0
         end = self._remote + (stride if remote else 0)
-        for i in range(slot * 4, end, stride):
+        for i in range(slot * _N, end, stride):
             w += q[i]
             r += q[i + 1]
             p += q[i + 2]
             b += q[i + 3]
         return w, r, p, b
 
-    def set_remote(self, slot: int, waiting: int, running: int, prefill: int, blocks: int) -> None:
+    def pending(self, slot: int, remote: bool = True) -> int:
+        """``pending`` blocks on ``slot`` summed as :meth:`totals` sums the other columns."""
+        q = self._q
+        stride = self.slots * _N
+        end = self._remote + (stride if remote else 0)
+        return sum(q[i] for i in range(slot * _N + 4, end, stride))
+
+    def set_remote(
+        self, slot: int, waiting: int, running: int, prefill: int, blocks: int, pending: int = 0
+    ) -> None:
         """Overwrite the other replicas' load on ``slot`` (only the peer receiver calls this)."""
         q = self._q
-        i = self._remote + slot * 4
-        q[i], q[i + 1], q[i + 2], q[i + 3] = waiting, running, prefill, blocks
+        i = self._remote + slot * _N
+        q[i], q[i + 1], q[i + 2], q[i + 3], q[i + 4] = waiting, running, prefill, blocks, pending
 
     def clear_own(self, slot: int) -> None:
         """Zero this writer's row on ``slot``."""
-        i = self._base + slot * 4
-        self._q[i : i + 4] = memoryview(bytes(32)).cast("q")
+        i = self._base + slot * _N
+        self._q[i : i + _N] = memoryview(bytes(8 * _N)).cast("q")
 
     def clear_row(self, writer: int) -> None:
         """Zero every slot of row ``writer`` (0 ≤ writer < writers): the supervisor does this for a
         worker that died, since its requests died with it. Not while that writer still writes."""
         if not 0 <= writer < self.writers:
             raise ValueError(f"writer {writer} outside 0..{self.writers - 1}")
-        stride = self.slots * 4
+        stride = self.slots * _N
         self._q[writer * stride : (writer + 1) * stride] = memoryview(bytes(stride * 8)).cast("q")
 
     # ---- scraped engine metrics (one scraper per machine) ------------------------------------------

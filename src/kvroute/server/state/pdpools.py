@@ -1,8 +1,15 @@
 """The P/D router's bookkeeping of one instance (a prefill or a decode engine): the requests routed to
 it and not answered yet, with the new prefill tokens of those not started, and its last scraped
 ``/metrics``. Its :meth:`PDInstance.view` is the routing core's :class:`~kvroute.views.InstanceView`:
-BS = requests in flight, queued prefill = their new tokens until started. Mutated by the router's
-handler only (one event loop).
+BS = requests in flight, queued prefill = their new tokens until started, ``decode_blocks`` = the
+engine's blocks in use at the last scrape (``kv_usage`` × pool size) plus the prompt blocks of the
+requests routed to it since that scrape began and not started yet (*pending*): the same sum as the
+single-pool router's (:mod:`kvroute.server.state.backends`) and the simulator's
+(:mod:`kvroute.views`; the P/D simulator's views are always current, this rule with nothing
+pending). Before the first scrape: the blocks of every request in flight. Unlike the
+single-pool router, a scrape counts however old it is (the P/D router has no staleness limit), and
+the router is one process (no other writer's pending blocks). Mutated by the router's handler and its
+scrape loop only (one event loop).
 """
 
 from __future__ import annotations
@@ -28,36 +35,62 @@ class PDBackend:
 @dataclass(slots=True)
 class PDInstance:
     """The router's bookkeeping of one instance: requests in flight → new prefill tokens (0 once
-    started), the last scrape."""
+    started), → prompt blocks; the pending ones → when they were routed (monotonic seconds); the last
+    scrape (its ``at``: when it began)."""
 
     index: int
     backend: PDBackend
     inflight: dict[str, int] = field(default_factory=dict)
     started: set[str] = field(default_factory=set)
     scraped: ScrapedMetrics | None = None
+    blocks: dict[str, int] = field(default_factory=dict)
+    pending: dict[str, float] = field(default_factory=dict)
 
-    def view(self) -> InstanceView:
+    def view(self, block_size: int = 0) -> InstanceView:
+        """The instance's view (module docstring); its pool and blocks in use in blocks of
+        ``block_size`` tokens, the router's
+        (:meth:`~kvroute.server.state.backends.ScrapedMetrics.pool`)."""
         waiting = len(self.inflight) - len(self.started)
         queued = sum(n for r, n in self.inflight.items() if r not in self.started)
         s = self.scraped
+        if s is None:
+            pool, in_use, kv_usage = 0, sum(self.blocks.values()), 0.0
+        else:
+            pool, in_use = s.pool(block_size)
+            kv_usage = s.kv_usage
+            in_use += sum(self.blocks.get(r, 0) for r, at in self.pending.items() if at >= s.at)
         return InstanceView(
             index=self.index,
             running=len(self.started),
             waiting=waiting,
             queued_prefill_tokens=queued,
-            kv_usage=s.kv_usage if s is not None else 0.0,
-            kv_capacity_blocks=s.num_kv_blocks if s is not None else 0,
+            kv_usage=kv_usage,
+            kv_capacity_blocks=pool,
+            decode_blocks=in_use,
         )
 
-    def add(self, rid: str, new_tokens: int) -> None:
+    def add(self, rid: str, new_tokens: int, blocks: int = 0, at: float = 0.0) -> None:
+        """Request ``rid`` routed here at ``at`` (monotonic seconds): ``new_tokens`` to prefill,
+        ``blocks`` prompt blocks, pending until it starts or a scrape begun after ``at`` lands."""
         self.inflight[rid] = new_tokens
+        self.blocks[rid] = blocks
+        self.pending[rid] = at
+
+    def scrape(self, got: ScrapedMetrics) -> None:
+        """Record a scrape (begun at ``got.at``): the requests routed before it leave ``pending``."""
+        self.scraped = got
+        for rid in [r for r, at in self.pending.items() if at < got.at]:
+            del self.pending[rid]
 
     def start(self, rid: str) -> None:
         if rid in self.inflight:
             self.started.add(rid)
+            self.pending.pop(rid, None)
 
     def done(self, rid: str) -> None:
         self.inflight.pop(rid, None)
+        self.blocks.pop(rid, None)
+        self.pending.pop(rid, None)
         self.started.discard(rid)
 
 

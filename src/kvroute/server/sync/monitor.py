@@ -81,6 +81,7 @@ class Monitor:
     async def scrape(self, backend: BackendState, path: str = SCRAPE_PATH) -> None:
         """One /metrics scrape of ``backend`` (``path``: the filtered page by default)."""
         cfg = self.state.config
+        began = self.state.clock()  # the scrape's time (ScrapedMetrics.at): the leases before it settle
         try:
             resp = await self.transport.send(backend.url, "GET", path, timeout_s=cfg.health_timeout_s)
             try:
@@ -97,9 +98,10 @@ class Monitor:
         if ok:
             core = self.state
             engine = self.engine_of(backend.index)
-            parsed, seen = parse_metrics(text, core.clock(), engine, core.config.block_size)
+            parsed, seen = parse_metrics(text, began, engine, core.config.block_size)
             if parsed is not None:
                 backend.scraped = parsed
+                backend.settle(parsed)
                 if parsed.block_size:
                     core.kv.set_engine_block_size(backend.index, parsed.block_size)
                 if engine is None and seen is not None:
@@ -159,7 +161,7 @@ class Monitor:
         body: dict[str, object] = {"prompt": list(prefix.tokens), "max_tokens": 1}
         if prefix.model is not None:
             body["model"] = prefix.model
-        lease = Lease(backend, len(prefix.tokens))
+        lease = Lease(backend, len(prefix.tokens), at=core.clock())
         core.kv.on_routed(index, prefix.chain, core.clock())
         ok = False
         try:

@@ -2,8 +2,11 @@
 
 Every replica consumes the engines' KV events and scrapes their ``/metrics`` itself; what the replicas
 share is only their *reservations*, the router-side counters of :class:`~kvroute.server.state.loadtable.LoadTable`
-(per backend: waiting, running, queued prefill tokens, KV blocks of the requests they routed and that
-have not ended). Best effort: PUB/SUB, no acknowledgements, state that expires.
+(per backend: waiting, running, queued prefill tokens, KV blocks of the requests they routed and
+that have not ended, and the *pending* ones among them: routed since that replica's last completed
+scrape of the backend began and not started, which each replica settles at its own scrapes, so a
+peer's pending blocks leave the others' view when its announcement of the settlement arrives, not at
+their own scrapes; :mod:`kvroute.server.state.backends`). Best effort: PUB/SUB, no acknowledgements, state that expires.
 
 **Who does what.** Every process that routes (a router, or each worker of ``kvroute serve --workers
 N``) runs a :class:`PeerPublisher` over its own row of the table: a PUB socket *connected* to every
@@ -20,9 +23,11 @@ protocol and version (any other value is counted and dropped), the payload a msg
 its first element (:class:`Delta` = 1, :class:`Refresh` = 2, :class:`Bye` = 3), then ``sender`` (the
 replica id: random hex chosen at start, shared by the workers of one machine), ``worker`` (0 for a
 single-process router), ``seq`` (per (sender, worker), +1 per message), then the body: a delta names the
-backend by URL (slots are per machine) with the change of (waiting, running, prefill tokens, blocks);
-a refresh lists ``(url, waiting, running, prefill, blocks)`` for every backend the sender has load on
-(an absent URL means zero); a bye says the sender is stopping.
+backend by URL (slots are per machine) with the change of (waiting, running, prefill tokens, blocks,
+pending blocks); a refresh lists ``(url, waiting, running, prefill, blocks)`` for every backend the
+sender has load on (an absent URL means zero) and then ``{url: pending blocks}`` (absent: zero); a bye
+says the sender is stopping. The pending fields come last and default to zero, so a sender that does
+not send them decodes the same (its requests then count no pending blocks).
 
 **Consistency and expiry.** A refresh *replaces* what the receiver holds for its sender, so lost
 messages (sequence gaps, counted) are healed by the next refresh, at most ``refresh_s`` later; one
@@ -55,7 +60,7 @@ from prometheus_client.registry import Collector
 
 from kvroute.errors import UserError
 from kvroute.server.config import parse_peer_endpoint
-from kvroute.server.state.loadtable import LoadTable
+from kvroute.server.state.loadtable import COLUMNS, LoadTable
 
 __all__ = [
     "PROTOCOL",
@@ -92,7 +97,7 @@ DELTA_KINDS = ("reserve", "start", "adjust", "release")
 
 class Delta(msgspec.Struct, array_like=True, frozen=True, tag=1):
     """A change of the sender's load on backend ``url``: requests ``waiting``, ``running``, queued
-    ``prefill`` tokens, KV ``blocks`` (each a signed difference)."""
+    ``prefill`` tokens, KV ``blocks``, ``pending`` blocks (each a signed difference)."""
 
     sender: str
     worker: int
@@ -102,16 +107,18 @@ class Delta(msgspec.Struct, array_like=True, frozen=True, tag=1):
     running: int
     prefill: int
     blocks: int
+    pending: int = 0
 
 
 class Refresh(msgspec.Struct, array_like=True, frozen=True, tag=2):
     """The sender's whole load: ``rows`` of ``(url, waiting, running, prefill tokens, blocks)``;
-    backends not listed have none."""
+    backends not listed have none; ``pending``: url → pending blocks (absent: 0)."""
 
     sender: str
     worker: int
     seq: int
     rows: list[tuple[str, int, int, int, int]]
+    pending: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class Bye(msgspec.Struct, array_like=True, frozen=True, tag=3):
@@ -143,7 +150,8 @@ def new_replica_id() -> str:
 
 
 def delta_kind(waiting: int, running: int) -> str:
-    """What a lease did, from the change of its counters: reserve, start, adjust or release."""
+    """What a lease did, from the change of its counters: reserve, start, adjust (a correction, or
+    its pending blocks settled by a scrape) or release."""
     if waiting > 0:
         return "reserve"
     if waiting < 0 and running > 0:
@@ -280,10 +288,20 @@ class PeerPublisher:
         self.seq += 1
         return self.seq
 
-    def announce(self, slot: int, waiting: int, running: int, prefill: int, blocks: int) -> None:
+    def announce(
+        self, slot: int, waiting: int, running: int, prefill: int, blocks: int, pending: int
+    ) -> None:
         """This process's row changed on ``slot`` by these deltas (called by :meth:`LoadTable.add`)."""
         msg = Delta(
-            self.replica, self.worker, self._next(), self._url(slot), waiting, running, prefill, blocks
+            self.replica,
+            self.worker,
+            self._next(),
+            self._url(slot),
+            waiting,
+            running,
+            prefill,
+            blocks,
+            pending,
         )
         self._send(msg, delta_kind(waiting, running))
 
@@ -291,13 +309,17 @@ class PeerPublisher:
         """Publish this process's whole row (every slot with load)."""
         table = self.table
         rows = []
+        pending = {}
         slot = 0
         while slot < table.slots and self._url(slot):
             w, r, p, b = table.own(slot)
             if w or r or p or b:
                 rows.append((self._urls[slot], w, r, p, b))
+            d = table.own_pending(slot)
+            if d:
+                pending[self._urls[slot]] = d
             slot += 1
-        self._send(Refresh(self.replica, self.worker, self._next(), rows), "refresh")
+        self._send(Refresh(self.replica, self.worker, self._next(), rows, pending), "refresh")
 
     async def run(self, specs: tuple[str, ...], own: set[tuple[str, int]]) -> None:
         """Refresh every ``refresh_s`` seconds; resolve ``specs`` (see :func:`resolve_peers`) at
@@ -330,13 +352,17 @@ class PeerPublisher:
 # ------------------------------------------------------------------------------------ receiver
 
 
+_COLS = len(COLUMNS)  # waiting, running, prefill, blocks, pending
+_ZERO = (0,) * _COLS
+
+
 class _Sender:
     __slots__ = ("last", "rows", "seq")
 
     def __init__(self, seq: int, now: float) -> None:
         self.seq = seq
         self.last = now  # when its last message came, seconds (the receiver's clock)
-        self.rows: dict[str, list[int]] = {}  # url → [waiting, running, prefill, blocks]
+        self.rows: dict[str, list[int]] = {}  # url → [waiting, running, prefill, blocks, pending]
 
 
 DROP_REASONS = ("malformed", "version", "own", "stale", "lost", "bad_url")
@@ -376,11 +402,15 @@ class PeerReceiver:
 
     # ---- the state ---------------------------------------------------------------------------
 
-    def remote(self, url: str) -> tuple[int, int, int, int]:
-        """(waiting, running, prefill, blocks) the other replicas announced on ``url``, as written
-        into the table (negative sums clamp to 0)."""
+    def remote(self, url: str) -> tuple[int, int, int, int, int]:
+        """(waiting, running, prefill, blocks, pending) the other replicas announced on ``url``, as
+        written into the table (negative sums clamp to 0)."""
         a = self._agg.get(url)
-        return (0, 0, 0, 0) if a is None else (max(a[0], 0), max(a[1], 0), max(a[2], 0), max(a[3], 0))
+        return (
+            (0, 0, 0, 0, 0)
+            if a is None
+            else (max(a[0], 0), max(a[1], 0), max(a[2], 0), max(a[3], 0), max(a[4], 0))
+        )
 
     def handle(self, frames: list[bytes]) -> None:
         """Apply one received message (mutates the senders' state and the table's remote row)."""
@@ -412,20 +442,20 @@ class PeerReceiver:
         s.last = now
         if isinstance(msg, Delta):
             self.received["delta"] += 1
-            self._apply(s, msg.url, (msg.waiting, msg.running, msg.prefill, msg.blocks))
+            self._apply(s, msg.url, (msg.waiting, msg.running, msg.prefill, msg.blocks, msg.pending))
         elif isinstance(msg, Refresh):
             self.received["refresh"] += 1
-            self._replace(s, {r[0]: list(r[1:]) for r in msg.rows})
+            self._replace(s, {r[0]: [*r[1:], msg.pending.get(r[0], 0)] for r in msg.rows})
         else:
             self.received["bye"] += 1
             self._drop(key)
 
-    def _apply(self, s: _Sender, url: str, d: tuple[int, int, int, int]) -> None:
+    def _apply(self, s: _Sender, url: str, d: tuple[int, int, int, int, int]) -> None:
         row = s.rows.get(url)
         if row is None:
-            row = s.rows[url] = [0, 0, 0, 0]
-        agg = self._agg.setdefault(url, [0, 0, 0, 0])
-        for i in range(4):
+            row = s.rows[url] = [0] * _COLS
+        agg = self._agg.setdefault(url, [0] * _COLS)
+        for i in range(_COLS):
             row[i] += d[i]
             agg[i] += d[i]
         self._write(url)
@@ -434,10 +464,10 @@ class PeerReceiver:
         old = s.rows
         s.rows = rows
         for url in old.keys() | rows.keys():
-            before, after = old.get(url, (0, 0, 0, 0)), rows.get(url, (0, 0, 0, 0))
-            if before != after:
-                agg = self._agg.setdefault(url, [0, 0, 0, 0])
-                for i in range(4):
+            before, after = old.get(url, _ZERO), rows.get(url, _ZERO)
+            if tuple(before) != tuple(after):
+                agg = self._agg.setdefault(url, [0] * _COLS)
+                for i in range(_COLS):
                     agg[i] += after[i] - before[i]
                 self._write(url)
 

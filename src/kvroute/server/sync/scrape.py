@@ -105,11 +105,14 @@ class Scraper:
         return changed
 
     def _follow(self) -> None:
-        """Not the scraper: learn the engines' block sizes from the records the scraper wrote."""
+        """Not the scraper: learn the engines' block sizes from the records the scraper wrote, and
+        settle this process's pending leases against them (:meth:`BackendState.settle`)."""
         kv = self.state.kv
         for b in self.state.backends:
-            s = b.scraped if b.routable else None
-            if s is not None and s.block_size:
+            s = b.scraped
+            if s is not None:
+                b.settle(s)
+            if s is not None and b.routable and s.block_size:
                 kv.set_engine_block_size(b.index, s.block_size)
 
     async def run(self) -> None:

@@ -19,7 +19,8 @@ replays with the light rate, and so every probe, × (1 + k / 1000), as the laten
 Arithmetic (:func:`summarize`): an arm that met the SLO at no probe counts capacity 0. Per arm, the
 mean capacity over the samples and the paired relative difference to the candidate ((arm − cand) /
 cand per sample) with its 95 % t-interval: the candidate *loses* when the interval lies above 0 (the
-arm carries more), *leads* when below, else *ties*; one sample has no interval. ``rank``: 1 + the
+arm carries more), *leads* when below, else *ties*; one sample has no interval, and its verdict is the
+sign of its difference, marked ``(one sample)``. ``rank``: 1 + the
 arms whose mean capacity exceeds the candidate's. ``binding``: per sample, the candidate's lowest
 failing probe and, at the lowest rate where the candidate failed and the best arm passed, both runs'
 TTFT p99 and TPOT p99 as fractions of the SLO (which term keeps the candidate below).
@@ -42,6 +43,7 @@ from kvroute.sim.stats import paired_relative
 
 PRESET = paper_plan("trace")  # the preset's plan: only its light rates, SLO rule and search are read
 TRACE = "mooncake"
+ONE = " (one sample)"  # a verdict's mark when the cell has one sample
 STEP = PRESET.factor ** (1 / 2**PRESET.capacity_refine)  # the search's resolution: × 2^(1/8)
 Runner = Callable[[list[RunSpec]], list[dict[str, Any]]]
 
@@ -139,12 +141,13 @@ def _rate(cap: dict[str, Any]) -> float:
     return 0.0 if cap["rate"] is None else float(cap["rate"])
 
 
-def capacity_verdict(lo: float, hi: float) -> str:
-    """The candidate's verdict from the interval of (arm − candidate) / candidate capacity."""
+def capacity_verdict(d: float, lo: float, hi: float) -> str:
+    """The candidate's verdict from the interval [lo, hi] of (arm − candidate) / candidate capacity,
+    whose mean is ``d``; with one sample (NaN bounds) from the sign of ``d``."""
     if lo > 0:
         return "lose"
     if math.isnan(lo):
-        return "one sample"
+        return ("lose" if d > 0 else "lead" if d < 0 else "tie") + ONE
     if hi < 0:
         return "lead"
     return "tie"
@@ -211,7 +214,7 @@ def summarize(raw: dict[str, Any], cand: str) -> dict[str, Any]:
             row: dict[str, Any] = {"capacity": statistics.fmean(vals), "samples": {k: by[k] for k in ks}}
             if arm != cand:
                 d, lo, hi = relative(vals, base)
-                row["vs"] = [round(d, 4), round(lo, 4), round(hi, 4), capacity_verdict(lo, hi)]
+                row["vs"] = [round(d, 4), round(lo, 4), round(hi, 4), capacity_verdict(d, lo, hi)]
                 # whole search steps above the candidate, per sample
                 row["steps"] = [
                     round(math.log(v / b) / math.log(STEP)) if v > 0 and b > 0 else None
@@ -275,7 +278,9 @@ def render(report: dict[str, Any]) -> str:
             r = cells[k]["arms"].get(arm)
             row.append("—" if r is None else f"**×{r['capacity']:.3g}**" if arm == cand else _cell(r))
         lines.append(f"| {arm} | " + " | ".join(row) + " |")
-    verdicts = [[r["vs"][3] for a, r in cells[k]["arms"].items() if a != cand] for k in keys]
+    verdicts = [
+        [r["vs"][3].removesuffix(ONE) for a, r in cells[k]["arms"].items() if a != cand] for k in keys
+    ]
     lines.append(
         f"| {cand}: rank | "
         + " | ".join(f"{cells[k]['rank']} of {len(cells[k]['arms'])}" for k in keys)
@@ -285,8 +290,8 @@ def render(report: dict[str, Any]) -> str:
         f"| {cand}: lead / tie / lose | "
         + " | ".join(
             f"{v.count('lead')} / {v.count('tie')} / {v.count('lose')}"
-            + (f" ({v.count('one sample')} one sample)" if "one sample" in v else "")
-            for v in verdicts
+            + (ONE if cells[k]["samples"] == 1 else "")
+            for k, v in zip(keys, verdicts, strict=True)
         )
         + " |"
     )

@@ -268,11 +268,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             known = {a for c in shown["cells"].values() for a in c["arms"]}
             if args.candidate not in known:
                 ap.error(f"{args.render}: no arm {args.candidate!r} (arms: {', '.join(sorted(known))})")
-            if capacity:
-                again = grid_capacity.summarize(grid_capacity.raw_of(shown), args.candidate)
-                shown = {**shown, "candidate": args.candidate, "cells": again}
-            else:
-                shown = recandidate(shown, args.candidate)
+            shown = {**shown, "candidate": args.candidate} if capacity else recandidate(shown, args.candidate)
+        if capacity:  # summarized again from the samples: the figures follow the arithmetic of this code
+            shown = {
+                **shown,
+                "cells": grid_capacity.summarize(grid_capacity.raw_of(shown), shown["candidate"]),
+            }
         print(grid_capacity.render(shown) if capacity else render(shown), end="")
         return 0
     if not args.out:

@@ -81,8 +81,11 @@ def test_verdicts_rank_and_steps() -> None:
 
 
 def test_one_sample_and_a_candidate_that_carried_nothing() -> None:
-    one = gc.summarize(_raw({"cand": [_at(4.0)], "x": [_at(4.0 * STEP)]}), "cand")["chatbot/8"]
-    assert one["arms"]["x"]["vs"][3] == "one sample"
+    one = gc.summarize(_raw({"cand": [_at(4.0)], "x": [_at(4.0 * STEP)], "y": [_at(4.0)]}), "cand")[
+        "chatbot/8"
+    ]
+    assert one["arms"]["y"]["vs"][3] == "tie (one sample)"
+    assert one["arms"]["x"]["vs"][3] == "lose (one sample)"  # no interval: the sign of the difference
     nothing = [_search([(1.0, 200.0, 10.0)])]
     lost = gc.summarize(_raw({"cand": nothing, "x": [_at(1.0)], "y": nothing}), "cand")["chatbot/8"]
     assert lost["arms"]["x"]["vs"][3] == "lose"

@@ -245,6 +245,23 @@ def raw_of(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def raw_of_preset(paper: dict[str, Any]) -> dict[str, Any]:
+    """The raw cells of a paper preset's result (``docs/results/paper/paper.json``): its capacity
+    searches, per workload at the preset's instances, the seeds as samples."""
+    n = paper["plan"]["instances"]
+    lights = {w["name"]: w["light_rate"] for w in paper["plan"]["workloads"]}
+    out: dict[str, Any] = {}
+    for w in paper["workloads"]:
+        arms: dict[str, dict[str, Any]] = {}
+        for c in w.get("capacity", []):
+            arms.setdefault(c["policy"], {})[str(c["seed"])] = {
+                k: c[k] for k in ("rate", "failed_rate", "probes")
+            }
+        if arms:
+            out[f"{w['name']}/{n}"] = {"light_rate": lights[w["name"]], "slo": w["slo"], "arms": arms}
+    return out
+
+
 def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """Raw cells of two runs together: a cell in both must have the same SLO (else ValueError); its
     arms' samples are united (``new``'s win on a repeated sample)."""
@@ -262,7 +279,7 @@ def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 
 def _cell(row: dict[str, Any]) -> str:
     d = row["vs"]
-    return f"×{row['capacity']:.3g} ({d[0] * 100:+.0f} %, {d[3]})"
+    return f"×{row['capacity']:.3g} ({d[0] * 100:+.0f} %, {d[3].removesuffix(ONE)})"
 
 
 def render(report: dict[str, Any]) -> str:

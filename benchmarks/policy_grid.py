@@ -258,11 +258,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--render",
         help="print the markdown table of this grid JSON and exit (runs nothing); with --candidate, "
-        "read against that arm (grids that kept per-sample figures)",
+        "read against that arm (grids that kept per-sample figures); a paper preset's paper.json: its "
+        "capacity searches as a capacity grid",
     )
     args = ap.parse_args(argv)
     if args.render:
         shown = json.loads(Path(args.render).read_text())
+        if "plan" in shown:  # the paper preset's result: its capacity searches
+            raw = grid_capacity.raw_of_preset(shown)
+            print(
+                grid_capacity.render(
+                    {"candidate": args.candidate, "cells": grid_capacity.summarize(raw, args.candidate)}
+                ),
+                end="",
+            )
+            return 0
         capacity = shown.get("mode") == "capacity"
         if "--candidate" in (sys.argv[1:] if argv is None else argv) and args.candidate != shown["candidate"]:
             known = {a for c in shown["cells"].values() for a in c["arms"]}

@@ -163,3 +163,29 @@ def test_a_tiny_real_grid_matches_its_own_probes(tmp_path: Path, capsys: pytest.
     table = capsys.readouterr().out
     assert "| vllm: rank |" in table and f"**×{cell['arms']['vllm']['capacity']:.3g}**" in table
     assert math.isfinite(cell["arms"]["vllm"]["vs"][0])
+
+
+def test_a_paper_presets_capacity_searches_read_as_a_grid() -> None:
+    paper = {
+        "plan": {"instances": 16, "workloads": [{"name": "chatbot", "light_rate": 0.5}]},
+        "workloads": [
+            {
+                "name": "chatbot",
+                "slo": SLO,
+                "capacity": [
+                    {"policy": "cand", "seed": 0, **_at(4.0), "extra": 1},
+                    {"policy": "x", "seed": 0, **_at(4.0 * STEP)},
+                ],
+            }
+        ],
+    }
+    raw = gc.raw_of_preset(paper)
+    assert list(raw) == ["chatbot/16"] and raw["chatbot/16"]["light_rate"] == 0.5
+    assert raw["chatbot/16"]["arms"]["cand"]["0"] == _at(4.0)
+    cell = gc.summarize(raw, "cand")["chatbot/16"]
+    assert cell["rank"] == 2 and cell["arms"]["x"]["vs"][3] == "lose (one sample)"
+    table = gc.render({"candidate": "cand", "cells": {"chatbot/16": cell}})
+    assert (
+        "| x | ×4.36 (+9 %, lose) |" in table
+        and "| cand: lead / tie / lose | 0 / 0 / 1 (one sample) |" in table
+    )

@@ -175,10 +175,10 @@ def _fractions(probe: dict[str, Any], slo: dict[str, Any]) -> dict[str, Any]:
 
 def binding(arms: dict[str, dict[str, Any]], cand: str, sample: str, slo: dict[str, Any]) -> dict[str, Any]:
     """What keeps ``cand`` below the best arm in one sample: its lowest failing probe, and both runs at
-    the lowest rate where ``cand`` failed and the best arm (highest capacity; the first listed on a tie)
-    passed (``None`` when the best arm carries no more, or never probed such a rate)."""
+    the lowest rate where ``cand`` failed and the best arm (highest capacity among the arms run on this
+    sample; the first listed on a tie) passed (``None`` when the best arm carries no more, or never probed such a rate)."""
     me = arms[cand][sample]
-    best = max((a for a in arms if a != cand), key=lambda a: _rate(arms[a][sample]))
+    best = max((a for a in arms if a != cand and sample in arms[a]), key=lambda a: _rate(arms[a][sample]))
     fail = next((p for p in me["probes"] if p["rate"] == me["failed_rate"]), None)
     out: dict[str, Any] = {
         "capacity": _rate(me),
@@ -201,18 +201,22 @@ def binding(arms: dict[str, dict[str, Any]], cand: str, sample: str, slo: dict[s
 
 
 def summarize(raw: dict[str, Any], cand: str) -> dict[str, Any]:
-    """Per cell: each arm's mean capacity, its samples and the paired difference to ``cand``; the
-    candidate's rank; per sample, what binds it (see the module docstring)."""
+    """Per cell: each arm's mean capacity over its samples, the samples and the paired difference to
+    ``cand`` over the samples both ran (an arm may have been run on fewer: ``n``); the candidate's rank
+    (1 + the arms whose paired mean difference is above 0); per sample, what binds it (see the module
+    docstring)."""
     out: dict[str, Any] = {}
     for key, c in raw.items():
         arms = c["arms"]
         ks = sorted(arms[cand], key=int)
-        base = [_rate(arms[cand][k]) for k in ks]
         rows: dict[str, Any] = {}
         for arm, by in arms.items():
-            vals = [_rate(by[k]) for k in ks]
-            row: dict[str, Any] = {"capacity": statistics.fmean(vals), "samples": {k: by[k] for k in ks}}
+            own = sorted(by, key=int)
+            row: dict[str, Any] = {"capacity": statistics.fmean(_rate(by[k]) for k in own), "samples": by}
             if arm != cand:
+                both = [k for k in ks if k in by]
+                vals, base = [_rate(by[k]) for k in both], [_rate(arms[cand][k]) for k in both]
+                row["n"] = len(both)
                 d, lo, hi = relative(vals, base)
                 row["vs"] = [round(d, 4), round(lo, 4), round(hi, 4), capacity_verdict(d, lo, hi)]
                 # whole search steps above the candidate, per sample
@@ -221,12 +225,11 @@ def summarize(raw: dict[str, Any], cand: str) -> dict[str, Any]:
                     for v, b in zip(vals, base, strict=True)
                 ]
             rows[arm] = row
-        mine = rows[cand]["capacity"]
         out[key] = {
             "light_rate": c["light_rate"],
             "slo": c["slo"],
             "samples": len(ks),
-            "rank": 1 + sum(r["capacity"] > mine for a, r in rows.items() if a != cand),
+            "rank": 1 + sum(r["vs"][0] > 0 or r["vs"][1] == math.inf for a, r in rows.items() if a != cand),
             "arms": rows,
             "binding": {k: binding(arms, cand, k, c["slo"]) for k in ks},
         }
@@ -277,9 +280,11 @@ def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _cell(row: dict[str, Any]) -> str:
+def _cell(row: dict[str, Any], samples: int) -> str:
+    """An arm's capacity, its paired difference and verdict; "(one sample)" only where the cell has more."""
     d = row["vs"]
-    return f"×{row['capacity']:.3g} ({d[0] * 100:+.0f} %, {d[3].removesuffix(ONE)})"
+    verdict = d[3].removesuffix(ONE) if samples == 1 else d[3]
+    return f"×{row['capacity']:.3g} ({d[0] * 100:+.0f} %, {verdict})"
 
 
 def render(report: dict[str, Any]) -> str:
@@ -293,7 +298,13 @@ def render(report: dict[str, Any]) -> str:
         row = []
         for k in keys:
             r = cells[k]["arms"].get(arm)
-            row.append("—" if r is None else f"**×{r['capacity']:.3g}**" if arm == cand else _cell(r))
+            row.append(
+                "—"
+                if r is None
+                else f"**×{r['capacity']:.3g}**"
+                if arm == cand
+                else _cell(r, cells[k]["samples"])
+            )
         lines.append(f"| {arm} | " + " | ".join(row) + " |")
     verdicts = [
         [r["vs"][3].removesuffix(ONE) for a, r in cells[k]["arms"].items() if a != cand] for k in keys

@@ -189,3 +189,16 @@ def test_a_paper_presets_capacity_searches_read_as_a_grid() -> None:
         "| x | ×4.36 (+9 %, lose) |" in table
         and "| cand: lead / tie / lose | 0 / 0 / 1 (one sample) |" in table
     )
+
+
+def test_an_arm_run_on_fewer_samples_is_paired_on_those() -> None:
+    raw = _raw(
+        {"cand": [_at(4.0), _at(4.0), _at(4.0)], "x": [_at(4.0 * STEP)], "y": [_at(2.0), _at(2.0), _at(2.0)]}
+    )
+    cell = gc.summarize(raw, "cand")["chatbot/8"]
+    x = cell["arms"]["x"]
+    assert x["n"] == 1 and x["vs"][3] == "lose (one sample)" and x["steps"] == [1]
+    assert cell["arms"]["y"]["n"] == 3 and cell["arms"]["y"]["vs"][3] == "lead"
+    assert cell["rank"] == 2
+    assert cell["binding"]["1"]["best_arm"] == "x" and cell["binding"]["2"]["best_arm"] == "y"
+    assert "×4.36 (+9 %, lose (one sample))" in gc.render({"candidate": "cand", "cells": {"chatbot/8": cell}})

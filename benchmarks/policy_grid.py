@@ -10,6 +10,10 @@ seed changes nothing there; its samples (``--trace-samples``) are replays at rat
 0.1 % each (sample k at rate × (1 + k / 1000)): near saturation such a small change moves the means
 by tens of percent, and the interval over the samples says how far one replay can be trusted.
 
+``--capacity``: instead, every arm's capacity at the paper preset's SLO per (workload, instances)
+and sample, searched as the preset searches it (:mod:`benchmarks.grid_capacity`); ``--merge`` adds
+an earlier capacity grid's samples (same SLOs) to the JSON written.
+
 Loads: each workload's default load in the paper preset at 16 instances (half the cache-blind
 balancer's max rate), scaled by instances / 16, and ``--heavy`` × that. Durations are short
 (``--duration``, ``--trace-duration``): this is a screening grid; the preset is the reference.
@@ -27,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import grid_capacity
 from kvroute.policies.registry import DEFAULT_POLICY
 from kvroute.sim.compare import PAPER_POLICIES, ROUTER_QUEUE, SpecRunner, arm_changes
 from kvroute.sim.runner import RunSpec
@@ -190,6 +195,40 @@ def recandidate(report: dict[str, Any], cand: str) -> dict[str, Any]:
     return {**report, "candidate": cand, "cells": summarize(cells, cand, quiet=True)}
 
 
+def run_capacity_grid(args: argparse.Namespace, arms: list[str], argv: Sequence[str] | None) -> int:
+    """``--capacity``: run the searches, merge an earlier run's samples, write the JSON."""
+    old = None
+    if args.merge:
+        try:
+            old = json.loads(Path(args.merge).read_text())
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"policy_grid: cannot read --merge {args.merge}: {exc}") from None
+        if old.get("mode") != "capacity" or old.get("candidate") != args.candidate:
+            raise SystemExit(f"policy_grid: --merge {args.merge} is not a capacity grid of {args.candidate}")
+    t0 = time.time()
+    with SpecRunner(args.jobs) as runner:
+        raw = grid_capacity.run(args, arms, runner.run)
+    command = "python -m benchmarks.policy_grid " + " ".join(sys.argv[1:] if argv is None else argv)
+    load = Path("/proc/loadavg").read_text().split()[:3]
+    runs = [{"command": command, "wall_seconds": round(time.time() - t0, 1), "loadavg": load}]
+    if old is not None:
+        try:
+            raw = grid_capacity.merge(grid_capacity.raw_of(old), raw)
+        except ValueError as exc:
+            raise SystemExit(f"policy_grid: --merge {args.merge}: {exc}") from None
+        runs = [*old["runs"], *runs]
+    report = {
+        "mode": "capacity",
+        "candidate": args.candidate,
+        "runs": runs,
+        "cells": grid_capacity.summarize(raw, args.candidate),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(grid_capacity.render(report), end="")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -211,25 +250,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--out", help="JSON file to write")
     ap.add_argument(
+        "--capacity",
+        action="store_true",
+        help="capacity at the paper preset's SLO per cell and sample instead of latency at fixed loads",
+    )
+    ap.add_argument("--merge", help="with --capacity: an earlier capacity grid JSON whose samples are kept")
+    ap.add_argument(
         "--render",
         help="print the markdown table of this grid JSON and exit (runs nothing); with --candidate, "
-        "read against that arm (grids that kept per-sample figures)",
+        "read against that arm (grids that kept per-sample figures); a paper preset's paper.json: its "
+        "capacity searches as a capacity grid",
     )
     args = ap.parse_args(argv)
     if args.render:
         shown = json.loads(Path(args.render).read_text())
+        if "plan" in shown:  # the paper preset's result: its capacity searches
+            raw = grid_capacity.raw_of_preset(shown)
+            print(
+                grid_capacity.render(
+                    {"candidate": args.candidate, "cells": grid_capacity.summarize(raw, args.candidate)}
+                ),
+                end="",
+            )
+            return 0
+        capacity = shown.get("mode") == "capacity"
         if "--candidate" in (sys.argv[1:] if argv is None else argv) and args.candidate != shown["candidate"]:
             known = {a for c in shown["cells"].values() for a in c["arms"]}
             if args.candidate not in known:
                 ap.error(f"{args.render}: no arm {args.candidate!r} (arms: {', '.join(sorted(known))})")
-            shown = recandidate(shown, args.candidate)
-        print(render(shown), end="")
+            shown = {**shown, "candidate": args.candidate} if capacity else recandidate(shown, args.candidate)
+        if capacity:  # summarized again from the samples: the figures follow the arithmetic of this code
+            shown = {
+                **shown,
+                "cells": grid_capacity.summarize(grid_capacity.raw_of(shown), shown["candidate"]),
+            }
+        print(grid_capacity.render(shown) if capacity else render(shown), end="")
         return 0
     if not args.out:
         ap.error("--out is required to run the grid")
     arms = [
         a for a in dict.fromkeys([args.candidate, *args.policies.split(","), *args.extra.split(",")]) if a
     ]
+    if args.capacity:
+        return run_capacity_grid(args, arms, argv)
+    if args.merge:
+        ap.error("--merge is for --capacity")
     runs = cell_specs(args, arms)
     t0 = time.time()
     with SpecRunner(args.jobs) as runner:

@@ -167,12 +167,19 @@ def _requests(args: argparse.Namespace) -> list[Any]:
 
 
 async def _one(
-    policy: str, label: str, args: argparse.Namespace, text: Any, reqs: list[Any], bar: Any
+    policy: str,
+    label: str,
+    args: argparse.Namespace,
+    text: Any,
+    reqs: list[Any],
+    bar: Any,
+    shadow: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Start the engines and the router with ``policy``, replay ``reqs``, stop everything; the row
     (model ms; what the arm cost this process in :mod:`~kvroute.commands.demo_meter`'s terms, with the
     router's own routing time in wall ms). ``bar``: a rich ``Progress`` (or None), one task added for
-    this policy."""
+    this policy. ``shadow``: shadow policies the router also computes for every request (its own
+    proxy only; ``benchmarks/study_demo_arms.py`` prices a policy's scoring with them)."""
     from kvroute.commands.demo_meter import ArmMeter
     from kvroute.loadgen import run_bench
     from kvroute.server.app import RouterServer
@@ -211,7 +218,8 @@ async def _one(
         else:
             gateway = None
             router = RouterServer(
-                RouterConfig(backends=backends, port=0, policy=policy), tokenizer=text.tokenizer
+                RouterConfig(backends=backends, port=0, policy=policy, shadow=shadow),
+                tokenizer=text.tokenizer,
             )
             url = await router.start()
             via = f"router {url}/v1"

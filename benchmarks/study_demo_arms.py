@@ -26,7 +26,7 @@ import os
 import sys
 from typing import Any
 
-from benchmarks.common import table, write
+from benchmarks.common import write
 from kvroute.commands import demo
 from kvroute.commands.demo_meter import level, unlevel
 from kvroute.errors import UserError
@@ -48,20 +48,42 @@ def _arms(order: str) -> list[tuple[str, str, tuple[str, ...]]]:
     return arms
 
 
-def _row(r: dict[str, Any]) -> tuple[str, ...]:
-    return (
-        str(r["position"]),
-        r["arm"],
-        f"{r['ttft_ms']['mean']:.1f} ± {r['ttft_se_ms']:.1f}",
-        f"{r['engine_ttft_ms_mean']:.1f}",
-        f"{r['ttft_ms']['mean'] - r['engine_ttft_ms_mean']:.1f}",
-        f"{r['process_cpu_ms_per_request']:.2f}",
-        f"{r['routing_ms_per_request']:.2f}",
-        f"{r['decide_ms_per_request']:.3f}",
-        f"{r['gc_full']} / {r['gc_pause_ms']:.0f}",
-        str(r["text_blocks_made"]),
-        f"{r['loadavg_before'][0]:.2f}",
-    )
+HEADERS = (
+    "#",
+    "arm",
+    "client TTFT (ms)",
+    "engines' TTFT (ms)",
+    "outside the engines (ms)",
+    "CPU (ms/request)",
+    "routing (ms/request)",
+    "decide (ms/request)",
+    "full GC passes",
+    "GC pauses (ms)",
+    "text blocks made",
+    "load before",
+)
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The arms as a markdown table (TTFT in model ms ± the client mean's standard error)."""
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---:|" * len(HEADERS)]
+    for r in rows:
+        cells = (
+            str(r["position"]),
+            f"`{r['arm']}`",
+            f"{r['ttft_ms']['mean']:.1f} ± {r['ttft_se_ms']:.1f}",
+            f"{r['engine_ttft_ms_mean']:.1f}",
+            f"{r['ttft_ms']['mean'] - r['engine_ttft_ms_mean']:.1f}",
+            f"{r['process_cpu_ms_per_request']:.2f}",
+            f"{r['routing_ms_per_request']:.2f}",
+            f"{r['decide_ms_per_request']:.3f}",
+            str(r["gc_full"]),
+            f"{r['gc_pause_ms']:.0f}",
+            str(r["text_blocks_made"]),
+            f"{r['loadavg_before'][0]:.2f}",
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,20 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     run_loop(run)
-    headers = (
-        "#",
-        "arm",
-        "client TTFT (ms)",
-        "engines' (ms)",
-        "outside (ms)",
-        "CPU ms/req",
-        "routing ms/req",
-        "decide ms/req",
-        "full GC / pause ms",
-        "text blocks",
-        "load",
-    )
-    table([_row(r) for r in rows], headers)
+    print(markdown(rows), flush=True)
     write(
         a.out,
         {

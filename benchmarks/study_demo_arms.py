@@ -125,9 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             for i, (label, policy, shadow) in enumerate(arms):
                 if not a.no_level:
                     level(text, reqs)
-                before = os.getloadavg()
                 row = await demo._one(policy, label, ns, text, reqs, None, shadow)
-                rows.append({**row, "arm": label, "position": i + 1, "loadavg_before": before})
+                rows.append({**row, "arm": label, "position": i + 1})
         finally:
             unlevel()
         return 0

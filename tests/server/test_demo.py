@@ -51,6 +51,7 @@ def test_demo_runs_the_default_against_its_rivals_over_http(
         assert r["process_cpu_ms_per_request"] > 0
         assert r["routing_ms_per_request"] >= r["decide_ms_per_request"] > 0
         assert r["gc_passes"] >= r["gc_full"] >= 0 and r["gc_pause_ms"] >= 0
+        assert len(r["loadavg_before"]) == 3 and min(r["loadavg_before"]) >= 0
         if r is not rows[0]:
             assert r["verdict"].split()[0] in {"leads", "ties", "trails"}
     # the bound is below every arm, live and simulated
@@ -66,6 +67,7 @@ def test_demo_runs_the_default_against_its_rivals_over_http(
     assert "Run it yourself: kvroute up --instances 2 " in text
     assert "Machine: " in text and "load average" in text
     assert f"  {DEFAULT_POLICY}: " in text and "ms CPU, routing " in text and "full GC passes" in text
+    assert "load average" in text.split(f"  {DEFAULT_POLICY}: ", 1)[1].splitlines()[0]
 
 
 def test_demo_rejects_nonsense(capsys: pytest.CaptureFixture[str]) -> None:

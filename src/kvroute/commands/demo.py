@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 from typing import Any
 
@@ -186,6 +187,7 @@ async def _one(
     from kvroute.server.cluster import EngineCluster
     from kvroute.server.config import RouterConfig
 
+    load_before = os.getloadavg()  # the machine's drift between arms shows in the client's TTFT
     span = args.duration / args.time_scale  # wall seconds of arrivals
     task = bar.add_task(policy, total=span, start=False, unit="s") if bar is not None else None
 
@@ -254,6 +256,7 @@ async def _one(
         1000.0 * cost.gc_pause_s,
     )
     out["text_blocks_made"] = cost.text_blocks
+    out["loadavg_before"] = list(load_before)
     routed = (
         f", routing {out['routing_ms_per_request']:.2f} (decide {out['decide_ms_per_request']:.2f})"
         if math.isfinite(out["routing_ms_per_request"])
@@ -263,7 +266,8 @@ async def _one(
         f"  {policy}: {out['requests']} requests, {out['unfinished']} unfinished, "
         f"{result.wall_seconds:.1f} s wall ({via} before {args.instances} engines); this process "
         f"(router and client): {out['process_cpu_ms_per_request']:.2f} ms CPU{routed} ms per request, "
-        f"{cost.gc_full} full GC passes ({out['gc_pause_ms']:.0f} ms in the collector)"
+        f"{cost.gc_full} full GC passes ({out['gc_pause_ms']:.0f} ms in the collector); load average "
+        f"{load_before[0]:.2f} before"
     )
     return out
 
@@ -399,7 +403,6 @@ def run(args: argparse.Namespace) -> int:
 def _machine() -> str:
     """One line on where the job runs: CPU model and count, and the load average before it started
     (other work on the cores shows in the client's TTFT, not in the engines')."""
-    import os
     import platform
 
     model = platform.processor() or platform.machine()

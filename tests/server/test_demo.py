@@ -44,6 +44,14 @@ def test_demo_runs_the_default_against_its_rivals_over_http(
         assert 0 < r["engine_ttft_ms_mean"] <= r["ttft_ms"]["mean"]  # the engine's share of the client's
         assert math.isfinite(r["simulated_ttft_ms_mean"]) and r["simulated_ttft_ms_mean"] > 0
         assert r["kv_hit_rate"] > 0 and r["ttft_se_ms"] > 0
+        # every arm starts level: no arm's client makes prompt text another arm reuses (the first
+        # arm made it all while it was being measured)
+        assert r["text_blocks_made"] == 0
+        # what the arm cost this process, and the router's own routing time (decide is part of it)
+        assert r["process_cpu_ms_per_request"] > 0
+        assert r["routing_ms_per_request"] >= r["decide_ms_per_request"] > 0
+        assert r["gc_passes"] >= r["gc_full"] >= 0 and r["gc_pause_ms"] >= 0
+        assert len(r["loadavg_before"]) == 3 and min(r["loadavg_before"]) >= 0
         if r is not rows[0]:
             assert r["verdict"].split()[0] in {"leads", "ties", "trails"}
     # the bound is below every arm, live and simulated
@@ -58,6 +66,8 @@ def test_demo_runs_the_default_against_its_rivals_over_http(
     assert f"The default ({DEFAULT_POLICY}) " in text
     assert "Run it yourself: kvroute up --instances 2 " in text
     assert "Machine: " in text and "load average" in text
+    assert f"  {DEFAULT_POLICY}: " in text and "ms CPU, routing " in text and "full GC passes" in text
+    assert "load average" in text.split(f"  {DEFAULT_POLICY}: ", 1)[1].splitlines()[0]
 
 
 def test_demo_rejects_nonsense(capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,12 +18,20 @@ their ``/metrics``) beside the client's shows when a busy machine adds to it. En
 ``--time-scale`` times faster than real time and arrivals are sped up by the same factor; latencies
 are in *model time* (measured wall time × time scale: with the default 1, plain wall time). Needs
 nothing outside the package; about five minutes on 2 cores.
+
+The router and the load generator share this process, arm after arm, so every arm starts level
+(:func:`~kvroute.commands.demo_meter.level`: every prompt's text made before the first arm, a full
+collection and a freeze before each), and each arm's line says what it cost this process: CPU per
+request, the router's own routing time per request (decide alone: the match and the policy, where a
+policy's price shows) and its garbage-collector pauses. On a busy machine a policy that costs the
+router more CPU per decision pays for it in the client's TTFT, not in the engines'.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 from typing import Any
 
@@ -120,16 +128,36 @@ def _standard_error_ms(ttft_s: Any, factor: float) -> float:
     return 1000.0 * factor * statistics.stdev(ttft_s) / math.sqrt(n) if n > 1 else math.inf
 
 
-async def _one(policy: str, label: str, args: argparse.Namespace, text: Any, bar: Any) -> dict[str, Any]:
-    """Start the engines and the router with ``policy``, replay the workload, stop everything; the
-    row (model ms). ``bar``: a rich ``Progress`` (or None), one task added for this policy."""
-    from kvroute.loadgen import run_bench
-    from kvroute.server.app import RouterServer
-    from kvroute.server.cluster import EngineCluster
-    from kvroute.server.config import RouterConfig
+async def _routing_ms(url: str) -> tuple[float, float]:
+    """The router's own routing time per request, wall ms (not model time): (parse + prepare + decide,
+    decide alone: the match and the policy), from its ``/metrics`` (``kvroute_routing_seconds``,
+    ``kvroute_routing_stage_seconds{stage="plan"}``, ``kvroute_routed``); NaN when it routed nothing."""
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as resp:
+        body = await resp.text()
+    total = plan = routed = 0.0
+    for fam in text_string_to_metric_families(body):
+        for sample in fam.samples:
+            if sample.name == "kvroute_routing_seconds_total":
+                total = sample.value
+            elif (
+                sample.name == "kvroute_routing_stage_seconds_total" and sample.labels.get("stage") == "plan"
+            ):
+                plan = sample.value
+            elif sample.name == "kvroute_routed_total":
+                routed = sample.value
+    if not routed:
+        return math.nan, math.nan
+    return 1000.0 * total / routed, 1000.0 * plan / routed
+
+
+def _requests(args: argparse.Namespace) -> list[Any]:
+    """The workload every arm replays (arrivals in wall seconds: sped up by ``--time-scale``)."""
     from kvroute.workloads import make_workload
 
-    reqs = list(
+    return list(
         make_workload(
             args.workload,
             seed=args.seed,
@@ -137,6 +165,29 @@ async def _one(policy: str, label: str, args: argparse.Namespace, text: Any, bar
             duration=args.duration / args.time_scale,
         )
     )
+
+
+async def _one(
+    policy: str,
+    label: str,
+    args: argparse.Namespace,
+    text: Any,
+    reqs: list[Any],
+    bar: Any,
+    shadow: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """Start the engines and the router with ``policy``, replay ``reqs``, stop everything; the row
+    (model ms; what the arm cost this process in :mod:`~kvroute.commands.demo_meter`'s terms, with the
+    router's own routing time in wall ms). ``bar``: a rich ``Progress`` (or None), one task added for
+    this policy. ``shadow``: shadow policies the router also computes for every request (its own
+    proxy only; ``benchmarks/study_demo_arms.py`` prices a policy's scoring with them)."""
+    from kvroute.commands.demo_meter import ArmMeter
+    from kvroute.loadgen import run_bench
+    from kvroute.server.app import RouterServer
+    from kvroute.server.cluster import EngineCluster
+    from kvroute.server.config import RouterConfig
+
+    load_before = os.getloadavg()  # the machine's drift between arms shows in the client's TTFT
     span = args.duration / args.time_scale  # wall seconds of arrivals
     task = bar.add_task(policy, total=span, start=False, unit="s") if bar is not None else None
 
@@ -169,15 +220,18 @@ async def _one(policy: str, label: str, args: argparse.Namespace, text: Any, bar
         else:
             gateway = None
             router = RouterServer(
-                RouterConfig(backends=backends, port=0, policy=policy), tokenizer=text.tokenizer
+                RouterConfig(backends=backends, port=0, policy=policy, shadow=shadow),
+                tokenizer=text.tokenizer,
             )
             url = await router.start()
             via = f"router {url}/v1"
         try:
             if bar is not None:
                 bar.start_task(task)
-            result = await run_bench(url, reqs, text, progress=progress)
+            with ArmMeter(text) as meter:
+                result = await run_bench(url, reqs, text, progress=progress)
             engine_ttft = await _engine_ttft_ms([b.url for b in backends])
+            routing = await _routing_ms(url) if gateway is None else (math.nan, math.nan)
         finally:
             if gateway is not None:
                 gateway.stop()
@@ -191,9 +245,29 @@ async def _one(policy: str, label: str, args: argparse.Namespace, text: Any, bar
     out["label"] = label
     out["engine_ttft_ms_mean"] = engine_ttft
     out["ttft_se_ms"] = _standard_error_ms(result.recorder.ttft, args.time_scale)
+    cost = meter.cost
+    assert cost is not None
+    n = max(result.requests, 1)
+    out["process_cpu_ms_per_request"] = 1000.0 * cost.cpu_s / n
+    out["routing_ms_per_request"], out["decide_ms_per_request"] = routing
+    out["gc_passes"], out["gc_full"], out["gc_pause_ms"] = (
+        cost.gc_passes,
+        cost.gc_full,
+        1000.0 * cost.gc_pause_s,
+    )
+    out["text_blocks_made"] = cost.text_blocks
+    out["loadavg_before"] = list(load_before)
+    routed = (
+        f", routing {out['routing_ms_per_request']:.2f} (decide {out['decide_ms_per_request']:.2f})"
+        if math.isfinite(out["routing_ms_per_request"])
+        else ""
+    )
     say(
         f"  {policy}: {out['requests']} requests, {out['unfinished']} unfinished, "
-        f"{result.wall_seconds:.1f} s wall ({via} before {args.instances} engines)"
+        f"{result.wall_seconds:.1f} s wall ({via} before {args.instances} engines); this process "
+        f"(router and client): {out['process_cpu_ms_per_request']:.2f} ms CPU{routed} ms per request, "
+        f"{cost.gc_full} full GC passes ({out['gc_pause_ms']:.0f} ms in the collector); load average "
+        f"{load_before[0]:.2f} before"
     )
     return out
 
@@ -245,6 +319,7 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 def run(args: argparse.Namespace) -> int:
     from kvroute.commands import demo_report as report
+    from kvroute.commands.demo_meter import level, unlevel
     from kvroute.commands.sim import write_json
     from kvroute.loadgen import BlockText
     from kvroute.server.run import run_loop
@@ -267,9 +342,15 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     bar = _progress(not args.no_progress)
 
+    reqs = _requests(args)
+
     async def main() -> int:
-        for p in policies:
-            rows.append(await _one(p, report.plain_name(p, first), args, text, bar))
+        try:
+            for p in policies:
+                level(text, reqs)  # no arm pays for another's prompt text or leftovers (demo_meter)
+                rows.append(await _one(p, report.plain_name(p, first), args, text, reqs, bar))
+        finally:
+            unlevel()
         return 0
 
     if bar is not None:
@@ -294,8 +375,10 @@ def run(args: argparse.Namespace) -> int:
         "\nHow to read it: TTFT is the time from sending a request to its first streamed token (model "
         f"time; the engines\nrun at ×{args.time_scale:g}). `vs balancer` is the mean TTFT as a fraction of the cache-blind "
         "balancer's. The engines' own TTFT\n(from their /metrics) is their queueing and prefill; the rest "
-        "of the client's is HTTP, tokenizing and streaming\non this machine's cores, not the policy. A "
-        "tie: the two means differ by less than two standard errors."
+        "of the client's is HTTP, tokenizing, routing and streaming\non this machine's cores. A "
+        "tie: the two means differ by less than two standard errors. Every arm starts level (the\n"
+        "prompts' text made, the garbage collector cleared); each arm's line above gives this process's "
+        "CPU and\nrouting time per request (router and load generator share it)."
     )
     print(f"\n{report.BOUND_MEANING}")
     if len(simulated) > len(policies):
@@ -320,7 +403,6 @@ def run(args: argparse.Namespace) -> int:
 def _machine() -> str:
     """One line on where the job runs: CPU model and count, and the load average before it started
     (other work on the cores shows in the client's TTFT, not in the engines')."""
-    import os
     import platform
 
     model = platform.processor() or platform.machine()

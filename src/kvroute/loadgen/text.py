@@ -31,7 +31,7 @@ def _splitmix64(x: int) -> int:
 class BlockText:
     """Text for block ids under ``tokenizer``. ``words`` single-token words are taken from the
     vocabulary in id order (deterministic for a given tokenizer). Caches block strings it made
-    (bounded by ``cache_blocks``)."""
+    (bounded by ``cache_blocks``); ``made`` counts the blocks whose text it had to make (cache misses)."""
 
     def __init__(self, tokenizer: Tokenizer, words: int = 4096, cache_blocks: int = 200_000) -> None:
         self.tokenizer = tokenizer
@@ -47,6 +47,7 @@ class BlockText:
         self.vocab = vocab
         self._cache: dict[tuple[int, int], str] = {}
         self._cache_max = cache_blocks
+        self.made = 0
 
     def _words(self, seed: int, n: int) -> str:
         vocab = self.vocab
@@ -64,6 +65,7 @@ class BlockText:
         s = self._cache.get(key)
         if s is None:
             s = self._words(_splitmix64(block_id * 2654435761 + block_size), block_size)
+            self.made += 1
             if len(self._cache) < self._cache_max:
                 self._cache[key] = s
         return s

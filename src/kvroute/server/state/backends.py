@@ -424,10 +424,8 @@ class Lease:
     def settle(self) -> None:
         """A completed scrape covers this request: its blocks leave the backend's ``pending``."""
         if self._pending:
-            self._pending = False
-            b = self.backend
-            del b._pending[self]
-            b.table.add(b.slot, pending=-self.blocks)
+            self._unpend()
+            self.backend.table.add(self.backend.slot, pending=-self.blocks)
 
     def _unpend(self) -> None:
         if self._pending:

@@ -38,6 +38,10 @@ class InstanceView:
     - ``max_batched_tokens``: the engine's chunk budget, tokens one step computes at most (vLLM's
       ``max_num_batched_tokens``); ``max_num_seqs``: its batch limit, sequences. 0: unknown. The
       router-side queue reads them (:func:`kvroute.routing.queue.saturated`).
+    - ``gated``: the router-side queue gates what is sent here (:mod:`kvroute.routing.queue`): a
+      request goes out only when the instance's next step can start it (its chunk budget is known),
+      so the engine's own queue holds no more than the work its next steps start and the requests
+      beyond wait at the router. False without the queue or without a known chunk budget.
     """
 
     index: int
@@ -51,6 +55,7 @@ class InstanceView:
     warming: bool = False
     max_batched_tokens: int = 0
     max_num_seqs: int = 0
+    gated: bool = False
 
 
 @dataclass(frozen=True, slots=True)

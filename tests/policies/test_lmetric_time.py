@@ -77,18 +77,23 @@ def test_context_weighted_decode_flips_the_choice_lmetric_makes() -> None:
     assert s0 > s1 and d.choice == 1
 
 
+def _queued_view() -> InstanceView:
+    """Instance 1 of the KV-demand tests: 100 of 500 blocks held and 6,400 tokens (400 blocks) queued."""
+    return InstanceView(
+        index=1,
+        running=1,
+        decode_blocks=100,
+        queued_prefill_tokens=6400,
+        kv_capacity_blocks=500,
+        max_batched_tokens=4096,
+    )
+
+
 def test_queued_prefill_counts_as_kv_demand() -> None:
     views = [
         InstanceView(index=0, running=1, decode_blocks=100, kv_capacity_blocks=500, max_batched_tokens=4096),
         # the same held blocks, plus 6,400 queued tokens = 400 blocks more: 500 / (500 − 500) → overcommitted
-        InstanceView(
-            index=1,
-            running=1,
-            decode_blocks=100,
-            queued_prefill_tokens=6400,
-            kv_capacity_blocks=500,
-            max_batched_tokens=4096,
-        ),
+        _queued_view(),
     ]
     r = RequestView(prompt_tokens=100, cached_tokens=(0, 0), block_size=16)
     policy = LMetricTime(LinearCost())
@@ -97,6 +102,20 @@ def test_queued_prefill_counts_as_kv_demand() -> None:
     assert LMetricTime(LinearCost(), kv="held").factor(r, views[1]) == pytest.approx(500 / 400)
     assert LMetricTime(LinearCost(), kv="off").factor(r, views[1]) == 1.0
     assert policy.choose(r, views).choice == 0
+
+
+def test_behind_the_router_queue_kv_demand_is_the_blocks_held() -> None:
+    """A gated instance (the router-side queue sends it only what its next step starts) owes its pool
+    no queued prefill beyond that: K counts its held blocks only, while T_wait still prices the queue."""
+    queued = _queued_view()
+    gated = dataclass_replace(queued, gated=True)
+    r = RequestView(prompt_tokens=100, cached_tokens=(0,), block_size=16)
+    policy = LMetricTime(LinearCost())
+    assert policy.factor(r, queued) == pytest.approx(500 * 2.0)  # 100 held + 400 queued blocks = C
+    assert policy.factor(r, gated) == pytest.approx(500 / 400)  # 100 held blocks only
+    assert policy.times(r, gated, 0) == policy.times(r, queued, 0)  # the queue's time is the same
+    # "own" still adds the request's own blocks behind the queue: 100 held + 100 / 16 = 6.25 blocks
+    assert LMetricTime(LinearCost(), kv="own").factor(r, gated, 0) == pytest.approx(500 / (500 - 106.25))
 
 
 def test_own_modes_count_the_blocks_the_request_would_add_where_its_prefix_is_not_cached() -> None:

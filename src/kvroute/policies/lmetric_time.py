@@ -33,7 +33,13 @@ chunk costs on that instance now, and the score is scaled by the pool's projecte
 - (BS + 1), BS = running + waiting: as in LMetric, the requests sharing the instance while the queue
   and the request's prefill run (every step they wait for is theirs as well).
 - K(i) = C / (C − U) with C = ``kv_capacity_blocks`` and U = ``decode_blocks`` + Q / block size, the
-  blocks held plus those the queued prefill will take (projected KV demand). K = 1 on an empty pool,
+  blocks held plus those the queued prefill will take (projected KV demand). Behind the router-side
+  queue (a ``gated`` view: the queue sends the instance only what its next step can start, and holds
+  the rest back) U = ``decode_blocks``: the queue already keeps an instance from taking more prefill
+  than it can start, which is what counting the queue in U guards against without it, and counting
+  the one step's work it lets through (a whole long prompt, at times) turns a conversation's next
+  turn away from the instance that holds its history (measured in
+  ``docs/results/policy-findings.md``, "Behind the router-side queue"). K = 1 on an empty pool,
   2 at half, and grows without bound as demand nears capacity; past it (U > C − 1), K = C × (2 + U −
   C) keeps growing linearly, so an overcommitted instance stays worse than a merely full one. C
   unknown (0): K = 1.
@@ -142,7 +148,7 @@ class LMetricTime:
             return 1.0
         bsz = max(request.block_size, 1)
         demand = float(view.decode_blocks)
-        if self.kv in ("demand", "own"):
+        if self.kv in ("demand", "own") and not view.gated:
             demand += view.queued_prefill_tokens / bsz
         if self.kv in ("own", "heldown"):
             demand += max(request.prompt_tokens - cached, 0) / bsz

@@ -62,7 +62,9 @@ still judged on the engine's own view. Without claims a load-counting policy (``
 4·waiting + running, a prefix policy's load tie-break) saw no effect of the requests it held back and
 sent every later one to the same saturated instance while others stood idle: on ``api`` at ×9 that
 cost vllm 804 vs 151 ms mean TTFT; with claims 159 ms, p99 482 vs 626 ms
-(docs/results/router-queue.md). A request decided afresh withdraws its own claim first.
+(docs/results/router-queue.md). A request decided afresh withdraws its own claim first. The views
+the policy sees are also marked ``gated`` where the instance's chunk budget is known (this queue then
+decides what reaches its engine), so a policy can tell the engine's own queue from the router's.
 
 **Why the choice over all instances, not the choice among the open ones**: sending a queued request
 to whichever instance frees first throws away its prefix-cache affinity; measured in the simulator
@@ -516,16 +518,24 @@ class RouterQueue:
         return {i: (c[0], c[1]) for i, c in self._claims.get(pool, {}).items()}
 
     def _claimed(self, pool: Hashable, views: Sequence[InstanceView]) -> Sequence[InstanceView]:
-        """``views`` with the claims on each instance added to its ``waiting`` and
-        ``queued_prefill_tokens`` (what the policy sees; saturation is judged on ``views``)."""
-        claims = self._claims.get(pool)
-        if not claims:
-            return views
+        """``views`` as the policy sees them under the queue: the claims on each instance added to its
+        ``waiting`` and ``queued_prefill_tokens``, and ``gated`` set where the instance's chunk budget
+        is known (the queue then holds back what its next step cannot start). Saturation is judged on
+        ``views`` themselves."""
+        claims = self._claims.get(pool, {})
         out = []
         for v in views:
             c = claims.get(v.index)
+            gated = v.gated or v.max_batched_tokens > 0
             if c is not None:
-                v = replace(v, waiting=v.waiting + c[0], queued_prefill_tokens=v.queued_prefill_tokens + c[1])
+                v = replace(
+                    v,
+                    waiting=v.waiting + c[0],
+                    queued_prefill_tokens=v.queued_prefill_tokens + c[1],
+                    gated=gated,
+                )
+            elif gated != v.gated:
+                v = replace(v, gated=gated)
             out.append(v)
         return out
 

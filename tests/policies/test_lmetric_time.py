@@ -114,6 +114,8 @@ def test_behind_the_router_queue_kv_demand_is_the_blocks_held() -> None:
     assert policy.factor(r, queued) == pytest.approx(500 * 2.0)  # 100 held + 400 queued blocks = C
     assert policy.factor(r, gated) == pytest.approx(500 / 400)  # 100 held blocks only
     assert policy.times(r, gated, 0) == policy.times(r, queued, 0)  # the queue's time is the same
+    # the ablation "queued" counts the queue behind the router-side queue as well
+    assert make_policy("lmetric-time:queued").factor(r, gated) == pytest.approx(500 * 2.0)
     # "own" still adds the request's own blocks behind the queue: 100 held + 100 / 16 = 6.25 blocks
     assert LMetricTime(LinearCost(), kv="own").factor(r, gated, 0) == pytest.approx(500 / (500 - 106.25))
 

@@ -51,7 +51,8 @@ times come from ``cost``, which the registry (``lmetric-time``) takes from the d
 whatever engine runs behind (only the relative prices matter). The ``kv`` argument is for ablations
 (``held``: U = ``decode_blocks`` only, the ``lmetric-kv`` factor; ``off``: K = 1; ``own``: U also
 counts the blocks the request itself would add there, its uncached prompt; ``heldown``: held blocks
-plus the request's own, without the queue).
+plus the request's own, without the queue; ``queued``: the queue's blocks counted behind the
+router-side queue as well).
 """
 
 from __future__ import annotations
@@ -73,9 +74,11 @@ the cost model has ``chunk_step_times``); below, numpy's fixed cost per call out
 ``step_time`` calls it saves (measured on ``benchmarks/bench_decide.py``'s inputs, where the two cross
 between 6 and 8 instances). Both paths give the same scores bit for bit."""
 
-KV_MODES = ("demand", "held", "off", "own", "heldown")
-"""How K counts KV use: held plus queued blocks (the policy), held blocks only, not at all, held plus
-queued plus the request's own new blocks, held plus the request's own new blocks."""
+KV_MODES = ("demand", "held", "off", "own", "heldown", "queued")
+"""How K counts KV use: held plus queued blocks, held only behind the router-side queue (the policy);
+held blocks only; not at all; held plus queued plus the request's own new blocks; held plus the
+request's own new blocks; held plus queued blocks behind the router-side queue too (the policy before
+it told the two apart)."""
 
 
 def kv_demand_factor(capacity: int, demand: float) -> float:
@@ -148,7 +151,7 @@ class LMetricTime:
             return 1.0
         bsz = max(request.block_size, 1)
         demand = float(view.decode_blocks)
-        if self.kv in ("demand", "own") and not view.gated:
+        if (self.kv in ("demand", "own") and not view.gated) or self.kv == "queued":
             demand += view.queued_prefill_tokens / bsz
         if self.kv in ("own", "heldown"):
             demand += max(request.prompt_tokens - cached, 0) / bsz

@@ -221,3 +221,27 @@ def test_step_mode_keeps_k_and_is_registered_beside_the_kv_ablations() -> None:
         make_policy("lmetric-time:bs")
     with pytest.raises(ValueError, match="load must be"):
         LMetricTime(LinearCost(), load="blocks")
+
+
+def test_stepq_mode_adds_one_chunk_of_the_queue_to_the_decode_step() -> None:
+    # the same decode batch on both; instance 1 has 6,000 tokens queued, instance 2 has 300
+    views = [
+        InstanceView(index=0, running=10, decode_blocks=100, max_batched_tokens=4096),
+        InstanceView(
+            index=1, running=10, decode_blocks=100, queued_prefill_tokens=6000, max_batched_tokens=4096
+        ),
+        InstanceView(
+            index=2, running=10, decode_blocks=100, queued_prefill_tokens=300, max_batched_tokens=4096
+        ),
+    ]
+    r = RequestView(prompt_tokens=200, cached_tokens=(0, 0, 0), block_size=16)
+    # D = 0.010 + 1e-5·(chunk part + 11) + 1e-7·(1,600 + 200): the queue's chunk is capped at
+    # 4096 − 10 = 4086 tokens (no history)
+    d = LMetricTime(LinearCost(), kv="off", load="stepq").choose(r, views)
+    assert d.detail["decode_step_s"] == pytest.approx(
+        (0.010 + 11e-5 + 18e-5, 0.010 + 4097e-5 + 18e-5, 0.010 + 311e-5 + 18e-5)
+    )
+    # without the queue's chunk ("step") the three D are equal
+    s = LMetricTime(LinearCost(), kv="off", load="step").choose(r, views)
+    assert len(set(s.detail["decode_step_s"])) == 1
+    assert d.choice == 0 and make_policy("lmetric-time:stepq").load == "stepq"

@@ -54,7 +54,9 @@ D is that TPOT in engine seconds, as T prices P-token: it grows with the sequenc
 context, and it does not grow tenfold from 16 to 142 short sequences, as BS does. On ``api``, BS + 1
 sends a long prompt to the instance with the fewest requests, which is the one already holding the
 other long prompts and their queue (docs/results/policy-findings.md, "Why the default's api tail
-trails dynamo-lmetric"); D sends it to its earliest first token.
+trails dynamo-lmetric"); D sends it to its earliest first token. ``lmetric-time:stepq`` adds to D's
+step one chunk of the prefill queued there (at most ``chunk(i)`` tokens, no history): the step the
+request would share if the instance kept its present mix of prefill and decode.
 """
 
 from __future__ import annotations
@@ -76,9 +78,9 @@ the cost model has ``chunk_step_times``); below, numpy's fixed cost per call out
 ``step_time`` calls it saves (measured on ``benchmarks/bench_decide.py``'s inputs, where the two cross
 between 6 and 8 instances). Both paths give the same scores bit for bit."""
 
-LOAD_MODES = ("bs", "step")
-"""What multiplies (T_wait + T_own): BS + 1 (the policy), or D, one decode step's time of the batch the
-request joins (the ``step`` ablation, ``lmetric-time:step``)."""
+LOAD_MODES = ("bs", "step", "stepq")
+"""What multiplies (T_wait + T_own): BS + 1 (the policy), or D, one step's time of the batch the request
+joins, without (``lmetric-time:step``) or with (``lmetric-time:stepq``) a chunk of the queued prefill."""
 
 KV_MODES = ("demand", "held", "off", "own", "heldown")
 """How K counts KV use: held plus queued blocks (the policy), held blocks only, not at all, held plus
@@ -178,18 +180,26 @@ class LMetricTime:
         return times, [v.running + v.waiting for v in instances], ks
 
     def decode_steps(self, request: RequestView, instances: Sequence[InstanceView]) -> list[float]:
-        """Per instance, the seconds of one decode step of the batch the request would join there: the
-        cost model's step with ``running`` + 1 decoding sequences and ctx + the request's prompt tokens
-        of context (``load="step"``'s factor in place of BS + 1; module docstring)."""
+        """Per instance, D: the seconds of one step of the batch the request would join there, the cost
+        model's step with ``running`` + 1 decoding sequences and ctx + the request's prompt tokens of
+        context; with ``load="stepq"`` also one chunk (at most ``chunk`` tokens, no history) of the
+        prefill queued there. ``load="step"``'s and ``"stepq"``'s factor in place of BS + 1 (module
+        docstring)."""
         step = self._cost.step_time
         p = request.prompt_tokens
-        return [step((), v.running + 1, v.decode_blocks * request.block_size + p) for v in instances]
+        bsz = request.block_size
+        out = []
+        for v in instances:
+            q = min(v.queued_prefill_tokens, max((v.max_batched_tokens or DEFAULT_CHUNK) - v.running, 1))
+            pre = ((q, 0),) if q and self.load == "stepq" else ()
+            out.append(step(pre, v.running + 1, v.decode_blocks * bsz + p))
+        return out
 
     def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
         """Pick the instance with the lowest (T_wait + T_own) × (BS + 1) × K (with ``load="step"``, × D
         in place of BS + 1: :meth:`decode_steps`)."""
         times, bs, ks = self.parts(request, instances)
-        step = self.load == "step"
+        step = self.load != "bs"
         mult: Sequence[float] = self.decode_steps(request, instances) if step else [b + 1 for b in bs]
         scores = [(w + o) * m * k for (w, o), m, k in zip(times, mult, ks, strict=True)]
         best_s = min(scores)

@@ -141,9 +141,20 @@ def analyse(recs: list[dict[str, Any]], shadow: str) -> dict[str, Any]:
             "pick": _view(r, r["choice"]),
             "shadow_pick": _view(r, r["shadow"][shadow]) if shadow in r["shadow"] else None,
             "q_min": min(v[2] for v in r["views"]),
+            "cached_at_pick": r["cached"][r["choice"]],
+            "cached_max": max(r["cached"]),
         }
         for r in tail[:SHOW]
     ]
+    out["ttft_tail_summary"] = {
+        "n": len(tail),
+        "prompt_mean": statistics.fmean(r["prompt"] for r in tail),
+        "cached_at_pick_mean": statistics.fmean(r["cached"][r["choice"]] for r in tail),
+        "cached_max_mean": statistics.fmean(max(r["cached"]) for r in tail),
+        "q_at_pick_mean": statistics.fmean(r["views"][r["choice"]][2] for r in tail),
+        "q_min_mean": statistics.fmean(min(v[2] for v in r["views"]) for r in tail),
+        "all_cached_at_pick_mean": statistics.fmean(r["cached"][r["choice"]] for r in recs),
+    }
     ttail = sorted((r for r in recs if r["tpot"] is not None and r["tpot"] >= tp99), key=lambda r: -r["tpot"])
     out["tpot_tail"] = [
         {

@@ -192,3 +192,77 @@ def test_request_classes_reweight_bs_in_the_time_score() -> None:
     # the tpot class (w = 2) weighs the 3 running sequences harder: (3 + 1) ** 2 = 16
     tpot = g.choose(dataclass_replace(r, req_class="tpot"), views)
     assert tpot.scores == pytest.approx((t0 * 16.0, t1)) and tpot.choice == 0
+
+
+def test_step_mode_multiplies_by_the_decode_step_of_the_batch_joined() -> None:
+    # a long prompt: instance 0 holds few sequences with long contexts and a long queue (the api
+    # workload's long-prompt instance), instance 1 many short decodes and a short queue
+    views = [
+        InstanceView(
+            index=0, running=3, queued_prefill_tokens=8000, decode_blocks=3000, max_batched_tokens=4096
+        ),
+        InstanceView(
+            index=1, running=40, queued_prefill_tokens=500, decode_blocks=500, max_batched_tokens=4096
+        ),
+    ]
+    r = RequestView(prompt_tokens=8000, cached_tokens=(0, 0), block_size=16)
+    cost = LinearCost()
+    # T_wait + T_own (K off), by hand:
+    # 0: chunk 4093, ctx 48,000: queue step = 0.010 + 1e-5·4096 + 1e-7·48000 = 0.05576, × 8000/4093;
+    #    own step adds 1e-9·4093·4000 = 0.016372: 0.072132, × 8000/4093
+    # 1: chunk 4056, ctx 8,000: queue step = 0.010 + 0.04096 + 0.0008 = 0.05176, × 500/4056;
+    #    own step adds 1e-9·4056·4000 = 0.016224: 0.067984, × 8000/4056
+    t0 = (0.05576 + 0.072132) * 8000 / 4093
+    t1 = 0.05176 * 500 / 4056 + 0.067984 * 8000 / 4056
+    # BS + 1: 4 against 41, so the policy sends it behind the long queue
+    bs = LMetricTime(cost, kv="off").choose(r, views)
+    assert bs.scores == pytest.approx((t0 * 4, t1 * 41))
+    assert bs.choice == 0
+    # D = one decode step with running + 1 sequences and ctx + 8,000 tokens of context:
+    # 0: 0.010 + 1e-5·4 + 1e-7·56000 = 0.01564; 1: 0.010 + 1e-5·41 + 1e-7·16000 = 0.01201
+    step = LMetricTime(cost, kv="off", load="step").choose(r, views)
+    assert step.detail["decode_step_s"] == pytest.approx((0.01564, 0.01201))
+    assert step.scores == pytest.approx((t0 * 0.01564, t1 * 0.01201))
+    assert step.choice == 1 and step.detail["bs"] == (3.0, 40.0)
+
+
+def test_step_mode_keeps_k_and_is_registered_beside_the_kv_ablations() -> None:
+    views = [
+        InstanceView(index=0, running=1, decode_blocks=100, kv_capacity_blocks=500, max_batched_tokens=4096),
+        InstanceView(index=1, running=1, decode_blocks=400, kv_capacity_blocks=500, max_batched_tokens=4096),
+    ]
+    r = RequestView(prompt_tokens=100, cached_tokens=(0, 0), block_size=16)
+    d = LMetricTime(LinearCost(), load="step").choose(r, views)
+    # the same T on both but for the context term; K = 500/400 against 500/100
+    assert d.detail["kv_factor"] == pytest.approx((1.25, 5.0)) and d.choice == 0
+    p = make_policy("lmetric-time:step")
+    assert p.name == "lmetric-time:step" and p.load == "step" and p.kv == "demand"
+    assert make_policy("lmetric-time").load == "bs"
+    with pytest.raises(UserError, match="step"):
+        make_policy("lmetric-time:bs")
+    with pytest.raises(ValueError, match="load must be"):
+        LMetricTime(LinearCost(), load="blocks")
+
+
+def test_stepq_mode_adds_one_chunk_of_the_queue_to_the_decode_step() -> None:
+    # the same decode batch on both; instance 1 has 6,000 tokens queued, instance 2 has 300
+    views = [
+        InstanceView(index=0, running=10, decode_blocks=100, max_batched_tokens=4096),
+        InstanceView(
+            index=1, running=10, decode_blocks=100, queued_prefill_tokens=6000, max_batched_tokens=4096
+        ),
+        InstanceView(
+            index=2, running=10, decode_blocks=100, queued_prefill_tokens=300, max_batched_tokens=4096
+        ),
+    ]
+    r = RequestView(prompt_tokens=200, cached_tokens=(0, 0, 0), block_size=16)
+    # D = 0.010 + 1e-5·(chunk part + 11) + 1e-7·(1,600 + 200): the queue's chunk is capped at
+    # 4096 − 10 = 4086 tokens (no history)
+    d = LMetricTime(LinearCost(), kv="off", load="stepq").choose(r, views)
+    assert d.detail["decode_step_s"] == pytest.approx(
+        (0.010 + 11e-5 + 18e-5, 0.010 + 4097e-5 + 18e-5, 0.010 + 311e-5 + 18e-5)
+    )
+    # without the queue's chunk ("step") the three D are equal
+    s = LMetricTime(LinearCost(), kv="off", load="step").choose(r, views)
+    assert len(set(s.detail["decode_step_s"])) == 1
+    assert d.choice == 0 and make_policy("lmetric-time:stepq").load == "stepq"

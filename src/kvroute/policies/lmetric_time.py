@@ -53,6 +53,17 @@ whatever engine runs behind (only the relative prices matter). The ``kv`` argume
 counts the blocks the request itself would add there, its uncached prompt; ``heldown``: held blocks
 plus the request's own, without the queue; ``queued``: the queue's blocks counted behind the
 router-side queue as well).
+
+The ``load`` argument is an ablation of the multiplier (``lmetric-time:step``): BS + 1 replaced by
+D(i) = step(0, running(i) + 1, ctx(i) + prompt), the cost model's time of one decode step of the batch
+the request joins (its prompt becomes context there). LMetric reads BS as the request's coming TPOT;
+D is that TPOT in engine seconds, as T prices P-token: it grows with the sequences and with their
+context, and it does not grow tenfold from 16 to 142 short sequences, as BS does. On ``api``, BS + 1
+sends a long prompt to the instance with the fewest requests, which is the one already holding the
+other long prompts and their queue (docs/results/policy-findings.md, "Why the default's api tail
+trails dynamo-lmetric"); D sends it to its earliest first token. ``lmetric-time:stepq`` adds to D's
+step one chunk of the prefill queued there (at most ``chunk(i)`` tokens, no history): the step the
+request would share if the instance kept its present mix of prefill and decode.
 """
 
 from __future__ import annotations
@@ -73,6 +84,10 @@ VECTOR_MIN_INSTANCES = 8
 the cost model has ``chunk_step_times``); below, numpy's fixed cost per call outweighs the scalar
 ``step_time`` calls it saves (measured on ``benchmarks/bench_decide.py``'s inputs, where the two cross
 between 6 and 8 instances). Both paths give the same scores bit for bit."""
+
+LOAD_MODES = ("bs", "step", "stepq")
+"""What multiplies (T_wait + T_own): BS + 1 (the policy), or D, one step's time of the batch the request
+joins, without (``lmetric-time:step``) or with (``lmetric-time:stepq``) a chunk of the queued prefill."""
 
 KV_MODES = ("demand", "held", "off", "own", "heldown", "queued")
 """How K counts KV use: held plus queued blocks, held only behind the router-side queue (the policy);
@@ -97,11 +112,16 @@ class LMetricTime:
     its ``chunk_step_times``, which prices every instance's two steps of a decision in one vectorised
     call with the same results bit for bit)."""
 
-    __slots__ = ("_cost", "_many", "kv", "name")
+    __slots__ = ("_cost", "_many", "kv", "load", "name")
 
-    def __init__(self, cost: CostModel, name: str = "lmetric-time", kv: str = "demand") -> None:
+    def __init__(
+        self, cost: CostModel, name: str = "lmetric-time", kv: str = "demand", load: str = "bs"
+    ) -> None:
         if kv not in KV_MODES:
             raise ValueError(f"kv must be one of {KV_MODES}, got {kv!r}")
+        if load not in LOAD_MODES:
+            raise ValueError(f"load must be one of {LOAD_MODES}, got {load!r}")
+        self.load = load
         self._cost = cost
         self._many = cost.chunk_step_times if isinstance(cost, ChunkStepTimes) else None
         self.name = name
@@ -168,22 +188,39 @@ class LMetricTime:
         ks = [self.factor(request, v, c) for c, v in zip(request.cached_tokens, instances, strict=True)]
         return times, [v.running + v.waiting for v in instances], ks
 
+    def decode_steps(self, request: RequestView, instances: Sequence[InstanceView]) -> list[float]:
+        """Per instance, D: the seconds of one step of the batch the request would join there, the cost
+        model's step with ``running`` + 1 decoding sequences and ctx + the request's prompt tokens of
+        context; with ``load="stepq"`` also one chunk (at most ``chunk`` tokens, no history) of the
+        prefill queued there. ``load="step"``'s and ``"stepq"``'s factor in place of BS + 1 (module
+        docstring)."""
+        step = self._cost.step_time
+        p = request.prompt_tokens
+        bsz = request.block_size
+        out = []
+        for v in instances:
+            q = min(v.queued_prefill_tokens, max((v.max_batched_tokens or DEFAULT_CHUNK) - v.running, 1))
+            pre = ((q, 0),) if q and self.load == "stepq" else ()
+            out.append(step(pre, v.running + 1, v.decode_blocks * bsz + p))
+        return out
+
     def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
-        """Pick the instance with the lowest (T_wait + T_own) × (BS + 1) × K."""
+        """Pick the instance with the lowest (T_wait + T_own) × (BS + 1) × K (with ``load="step"``, × D
+        in place of BS + 1: :meth:`decode_steps`)."""
         times, bs, ks = self.parts(request, instances)
-        scores = [(w + o) * (b + 1) * k for (w, o), b, k in zip(times, bs, ks, strict=True)]
+        step = self.load != "bs"
+        mult: Sequence[float] = self.decode_steps(request, instances) if step else [b + 1 for b in bs]
+        scores = [(w + o) * m * k for (w, o), m, k in zip(times, mult, ks, strict=True)]
         best_s = min(scores)
         best = min(
             (i for i in range(len(scores)) if scores[i] == best_s), key=lambda i: (bs[i], instances[i].index)
         )
-        return Choice(
-            choice=best,
-            scores=tuple(scores),
-            policy=self.name,
-            detail={
-                "t_wait_s": tuple(t[0] for t in times),
-                "t_own_s": tuple(t[1] for t in times),
-                "bs": tuple(map(float, bs)),
-                "kv_factor": tuple(ks),
-            },
-        )
+        detail = {
+            "t_wait_s": tuple(t[0] for t in times),
+            "t_own_s": tuple(t[1] for t in times),
+            "bs": tuple(map(float, bs)),
+            "kv_factor": tuple(ks),
+        }
+        if step:
+            detail["decode_step_s"] = tuple(mult)
+        return Choice(choice=best, scores=tuple(scores), policy=self.name, detail=detail)

@@ -24,7 +24,7 @@ from kvroute.policies.llm_d import LlmD
 from kvroute.policies.llm_d_lmetric import LlmDLMetric
 from kvroute.policies.lmetric import LMetric
 from kvroute.policies.lmetric_kv import LMetricKV
-from kvroute.policies.lmetric_time import KV_MODES, LMetricTime
+from kvroute.policies.lmetric_time import KV_MODES, LOAD_MODES, LMetricTime
 from kvroute.policies.sglang import SglangCacheAware
 from kvroute.policies.simple import LeastRequests, PowerOfTwo, RandomChoice, RoundRobin
 from kvroute.policies.smetric import VllmRouterSMetric
@@ -62,8 +62,10 @@ def _lmetric(param: str | None, rng: random.Random) -> Policy:
 def _lmetric_time(param: str | None, rng: random.Random) -> Policy:
     from kvroute.engine.cost import get_profile
 
-    kv = _choice_param("lmetric-time", param, KV_MODES)
     name = "lmetric-time" if param is None else f"lmetric-time:{param}"
+    if param in LOAD_MODES[1:]:  # a multiplier other than BS + 1 (LOAD_MODES[0], the policy's)
+        return LMetricTime(get_profile().cost, name=name, load=param)
+    kv = _choice_param("lmetric-time", param, KV_MODES + LOAD_MODES[1:])
     return LMetricTime(get_profile().cost, name=name, kv=kv)
 
 

@@ -62,9 +62,11 @@ def _lmetric(param: str | None, rng: random.Random) -> Policy:
 def _lmetric_time(param: str | None, rng: random.Random) -> Policy:
     from kvroute.engine.cost import get_profile
 
-    kv = _choice_param("lmetric-time", param, KV_MODES)
+    mode = _choice_param("lmetric-time", param, (*KV_MODES, "itl"))
     name = "lmetric-time" if param is None else f"lmetric-time:{param}"
-    return LMetricTime(get_profile().cost, name=name, kv=kv)
+    if mode == "itl":  # the default's K, and one decode step in the request's own time
+        return LMetricTime(get_profile().cost, name=name, itl=True)
+    return LMetricTime(get_profile().cost, name=name, kv=mode)
 
 
 def _linear(param: str | None, rng: random.Random) -> Policy:

@@ -14,7 +14,13 @@ decide each hypothesis:
 - **(b) KV pressure**: at the decisions where the policies disagree, the KV usage of each policy's
   pick, and the preemptions on the chosen instance during the request's life;
 - **(c) queued prefill**: the router's queued-prefill view against the engine's at decision time;
-- **(d) ties**: the share of decisions whose best score is shared by several instances.
+- **(d) ties**: the share of decisions whose best score is shared by several instances;
+- **(e) the TPOT tail** (``tpot_anatomy``): every instance's engine steps are logged, and each
+  request's decode time (first token to last) is split into the steps that carried prefill chunks
+  (other requests' prompts) and pure-decode steps, with the decode batch and context it shared and
+  the requests routed onto its instance meanwhile, averaged over the requests at and above the TPOT
+  p99; ``batch_spread`` and ``above_least``: how unevenly the policy spread the decode batch and what
+  the prompt's cache share was where it picked a much busier instance than the least loaded.
 
 Deterministic (the simulator is); one process, so run it with ``nice``.
 """
@@ -253,6 +259,42 @@ def tpot_anatomy(sim: RecordingSim, recs: list[dict[str, Any]]) -> dict[str, Any
     }
 
 
+def above_least(recs: list[dict[str, Any]]) -> dict[str, float]:
+    """The decisions whose pick runs at least 8 sequences more than the least-loaded instance (the one
+    with the fewest running, the most cached on a tie): their share, and at the pick and at that
+    instance the mean running sequences, cached share of the prompt and uncached tokens."""
+    rows = []
+    for r in recs:
+        run = [v[0] for v in r["views"]]
+        ch, prompt, cached = r["choice"], r["prompt"], r["cached"]
+        lo = min(range(len(run)), key=lambda i: (run[i], -cached[i]))
+        if run[ch] - run[lo] >= 8:
+            rows.append(
+                (
+                    run[ch],
+                    run[lo],
+                    cached[ch] / prompt,
+                    cached[lo] / prompt,
+                    prompt - cached[ch],
+                    prompt - cached[lo],
+                )
+            )
+    if not rows:
+        return {"share": 0.0}
+    keys = (
+        "running_pick",
+        "running_least",
+        "cached_share_pick",
+        "cached_share_least",
+        "uncached_pick",
+        "uncached_least",
+    )
+    return {
+        "share": len(rows) / len(recs),
+        **{k: statistics.fmean(x[j] for x in rows) for j, k in enumerate(keys)},
+    }
+
+
 def analyse(sim: RecordingSim, policy: str, block: int) -> dict[str, Any]:
     recs = [r for r in sim.records.values() if "done" in r]
     ttft = [r["first"] - r["arrival"] for r in recs]
@@ -327,6 +369,17 @@ def analyse(sim: RecordingSim, policy: str, block: int) -> dict[str, Any]:
         }
     out["disagreements"] = dis
     out["tpot_anatomy"] = tpot_anatomy(sim, recs)
+    # how evenly the decode batch is spread, as the router saw it at each decision: the running
+    # sequences of the pick minus the fewest anywhere, and the most minus the fewest
+    running = [[v[0] for v in r["views"]] for r in recs]
+    out["batch_spread"] = {
+        "pick_minus_least": statistics.fmean(
+            [x[r["choice"]] - min(x) for x, r in zip(running, recs, strict=True)]
+        ),
+        "most_minus_least": statistics.fmean([max(x) - min(x) for x in running]),
+        "hit_share_at_pick": statistics.fmean([r["cached"][r["choice"]] / r["prompt"] for r in recs]),
+    }
+    out["above_least"] = above_least(recs)
     # the slowest 1 % of requests: where they went and what that instance looked like then
     slow = sorted(recs, key=lambda r: r["first"] - r["arrival"])[-max(1, len(recs) // 100) :]
     out["slowest"] = [

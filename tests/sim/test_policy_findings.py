@@ -27,3 +27,8 @@ def test_tpot_anatomy_splits_each_requests_decode_into_prefill_and_decode_steps(
             assert x["prefill_ms"] >= 0 and x["decode_ms"] > 0 and x["batch_mean"] >= 1
             assert (x["prefill_steps"] == 0) == (x["prefill_tokens"] == 0)
         assert a["all"]["prefill_ms"] > 0  # with 2 instances some decode beside another's prefill
+        spread = run["batch_spread"]
+        assert 0 <= spread["pick_minus_least"] <= spread["most_minus_least"]
+        assert 0 <= run["above_least"]["share"] <= 1
+    # the cache-blind balancer picks the least-loaded instance or one within a few sequences of it
+    assert runs[1]["above_least"]["share"] == 0.0

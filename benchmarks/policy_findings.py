@@ -437,6 +437,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def tpot_table(reports: Sequence[dict[str, Any]]) -> str:
+    """Markdown: per report (a JSON this script wrote) and policy, the TPOT p99 and its tail taken
+    apart (:func:`tpot_anatomy`), the batch spread and the piled-on decisions (:func:`above_least`)."""
+    lines = [
+        "| run | policy | TPOT p99 (ms) | its tail: prefill + decode steps (ms) | tail's batch / context (k tokens) "
+        "| running, most − least | picks ≥ 8 above the least | their cached share: pick / least | KV hit rate |",
+        "|---|---|---:|---|---|---:|---:|---|---:|",
+    ]
+    for rep in reports:
+        run = f"{rep['workload']}/{rep['instances']} ×{rep['rate_scale']:.3g} seed {rep['seed']}"
+        for r in rep["runs"]:
+            t = r["tpot_anatomy"]["p99_and_above"]
+            a = r["above_least"]
+            shares = f"{a['cached_share_pick']:.2f} / {a['cached_share_least']:.2f}" if a["share"] else "—"
+            lines.append(
+                f"| {run} | {r['policy']} | {r['tpot_ms_p99']:.1f} | {t['prefill_ms']:.1f} + {t['decode_ms']:.1f} "
+                f"| {t['batch_mean']:.1f} / {t['context_k_mean']:.0f} | {r['batch_spread']['most_minus_least']:.1f} "
+                f"| {100 * a['share']:.0f} % | {shares} | {r['kv_hit_rate']:.3f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace")
@@ -448,8 +470,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--profile")
     ap.add_argument("--kv-tokens", type=int)
     ap.add_argument("--policies", default="lmetric,dynamo-lmetric,lmetric-time")
-    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--out", help="JSON file to write")
+    ap.add_argument(
+        "--tpot-table", nargs="+", metavar="JSON", help="print the TPOT tables of these JSON files and exit"
+    )
     args = ap.parse_args(argv)
+    if args.tpot_table:
+        try:
+            reports = [json.loads(Path(f).read_text()) for f in args.tpot_table]
+            print(tpot_table(reports), end="")
+        except (OSError, ValueError, KeyError) as exc:
+            ap.error(f"--tpot-table: {exc!r}")
+        return 0
+    if not args.out:
+        ap.error("--out is required to run")
     if (args.trace is None) == (args.workload is None):
         ap.error("give --trace FILE or --workload NAME")
     out = run(args)

@@ -32,3 +32,35 @@ def test_tpot_anatomy_splits_each_requests_decode_into_prefill_and_decode_steps(
         assert 0 <= run["above_least"]["share"] <= 1
     # the cache-blind balancer picks the least-loaded instance or one within a few sequences of it
     assert runs[1]["above_least"]["share"] == 0.0
+    # the table of the JSON written: one row per policy, the TPOT p99 as the JSON has it
+    assert policy_findings.main(["--tpot-table", str(out)]) == 0
+
+
+def test_tpot_table_rows(capsys) -> None:
+    rep = {
+        "workload": "agent",
+        "instances": 8,
+        "rate_scale": 2.828,
+        "seed": 1,
+        "runs": [
+            {
+                "policy": "p",
+                "tpot_ms_p99": 60.25,
+                "kv_hit_rate": 0.9,
+                "tpot_anatomy": {
+                    "p99_and_above": {
+                        "prefill_ms": 18.0,
+                        "decode_ms": 42.8,
+                        "batch_mean": 29.2,
+                        "context_k_mean": 210,
+                    }
+                },
+                "batch_spread": {"most_minus_least": 14.4},
+                "above_least": {"share": 0.21, "cached_share_pick": 0.95, "cached_share_least": 0.01},
+            }
+        ],
+    }
+    table = policy_findings.tpot_table([rep])
+    assert table.splitlines()[2] == (
+        "| agent/8 ×2.83 seed 1 | p | 60.2 | 18.0 + 42.8 | 29.2 / 210 | 14.4 | 21 % | 0.95 / 0.01 | 0.900 |"
+    )

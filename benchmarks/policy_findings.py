@@ -14,7 +14,13 @@ decide each hypothesis:
 - **(b) KV pressure**: at the decisions where the policies disagree, the KV usage of each policy's
   pick, and the preemptions on the chosen instance during the request's life;
 - **(c) queued prefill**: the router's queued-prefill view against the engine's at decision time;
-- **(d) ties**: the share of decisions whose best score is shared by several instances.
+- **(d) ties**: the share of decisions whose best score is shared by several instances;
+- **(e) the TPOT tail** (``tpot_anatomy``): every instance's engine steps are logged, and each
+  request's decode time (first token to last) is split into the steps that carried prefill chunks
+  (other requests' prompts) and pure-decode steps, with the decode batch and context it shared and
+  the requests routed onto its instance meanwhile, averaged over the requests at and above the TPOT
+  p99; ``batch_spread`` and ``above_least``: how unevenly the policy spread the decode batch and what
+  the prompt's cache share was where it picked a much busier instance than the least loaded.
 
 Deterministic (the simulator is); one process, so run it with ``nice``.
 """
@@ -22,8 +28,10 @@ Deterministic (the simulator is); one process, so run it with ``nice``.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
+import random
 import statistics
 import sys
 import time
@@ -40,11 +48,41 @@ from kvroute.workloads.request import Request
 
 
 class RecordingSim(ClusterSim):
-    """:class:`ClusterSim` that keeps one record per decision and per request outcome."""
+    """:class:`ClusterSim` that keeps one record per decision and per request outcome, and per
+    instance a log of its engine steps (:meth:`_add_instance`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.steps: list[list[tuple[float, float, int, int, int]]] = []
         super().__init__(*args, **kwargs)
         self.records: dict[Any, dict[str, Any]] = {}
+
+    def _add_instance(self, eng: Any, now: float, tags: frozenset[str] = frozenset()) -> None:
+        """Also log every step the engine starts: (start s, duration s of its first step, prefill
+        tokens, decoding sequences, their context tokens). A step with prefill is always a single
+        step (only pure-decode steps are planned as stretches), so the prefill steps are exact."""
+        super()._add_instance(eng, now, tags)
+        log: list[tuple[float, float, int, int, int]] = []
+        self.steps.append(log)
+        start = eng._start_step
+
+        def logged(t: float) -> None:
+            start(t)
+            st = eng._step
+            if st is None:
+                return
+            pre = nd = kv = 0
+            for seq, n in st.work:
+                if n == 1 and seq.out and seq.known - seq.computed == 1:
+                    nd += 1
+                    kv += seq.computed
+                else:
+                    pre += n
+            if st.cohort and eng._cohort is not None:
+                nd += eng._cohort.n
+                kv += eng._cohort.kv
+            log.append((t, st.segs[0][1], pre, nd, kv))
+
+        eng._start_step = logged
 
     def _carry_out(
         self, req: Request, rr: RouteRequest, arrived: float, views: list[InstanceView], decision: Decision
@@ -163,6 +201,100 @@ def _terms(rec: dict[str, Any], i: int, block: int) -> dict[str, float]:
     }
 
 
+def decode_window(
+    sim: RecordingSim, rec: dict[str, Any], routed: dict[int, list[tuple[float, int]]]
+) -> dict[str, float]:
+    """What a request's decode shared its steps with, from its instance's step log: the steps that
+    started while it decoded (first token to last), split into those with prefill (the chunks of
+    other requests) and pure-decode ones; times in ms per output token after the first, so that
+    ``tpot_ms = prefill_ms + decode_ms`` (the request is in every step of its window)."""
+    log = sim.steps[rec["choice"]]
+    first, done, n = rec["first"], rec["done"], rec["output"] - 1
+    lo = bisect.bisect_left(log, (first,))
+    hi = bisect.bisect_left(log, (done,))
+    pre = [s for s in log[lo:hi] if s[2]]
+    pre_t = sum(s[1] for s in pre)
+    times = routed[rec["choice"]]
+    arrivals = times[bisect.bisect_left(times, (first,)) : bisect.bisect_left(times, (done,))]
+    nd = [s[3] for s in log[lo:hi]]
+    return {
+        "tpot_ms": 1e3 * (done - first) / n,
+        "prefill_ms": 1e3 * pre_t / n,
+        "decode_ms": 1e3 * (done - first - pre_t) / n,
+        "output": rec["output"],
+        "prompt": rec["prompt"],
+        "prefill_steps": len(pre),
+        "prefill_tokens": sum(s[2] for s in pre),
+        "routed_in": len(arrivals),
+        "routed_in_uncached": sum(a[1] for a in arrivals),
+        "batch_mean": statistics.fmean(nd) if nd else 0.0,
+        "context_k_mean": statistics.fmean([s[4] for s in log[lo:hi]]) / 1e3 if nd else 0.0,
+    }
+
+
+def tpot_anatomy(sim: RecordingSim, recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The TPOT tail taken apart: per request :func:`decode_window`; the mean of each field over the
+    requests at or above the TPOT p99 (rank ⌊0.99·(n − 1)⌋ on), over the top 5 %, and over all."""
+    routed: dict[int, list[tuple[float, int]]] = {i: [] for i in range(len(sim.steps))}
+    for r in recs:
+        routed[r["choice"]].append((r["t"], r["prompt"] - r.get("hit", 0)))
+    for v in routed.values():
+        v.sort()
+    rows = sorted(
+        (decode_window(sim, r, routed) for r in recs if r["output"] > 1), key=lambda x: x["tpot_ms"]
+    )
+    if not rows:
+        return {}
+
+    def mean(part: list[dict[str, float]]) -> dict[str, float]:
+        return {k: round(statistics.fmean([x[k] for x in part]), 3) for k in part[0]}
+
+    k99 = int(0.99 * (len(rows) - 1))
+    return {
+        "requests": len(rows),
+        "p99_and_above": mean(rows[k99:]),
+        "top_5pct": mean(rows[int(0.95 * (len(rows) - 1)) :]),
+        "all": mean(rows),
+        "p99_rows": rows[k99:],
+    }
+
+
+def above_least(recs: list[dict[str, Any]]) -> dict[str, float]:
+    """The decisions whose pick runs at least 8 sequences more than the least-loaded instance (the one
+    with the fewest running, the most cached on a tie): their share, and at the pick and at that
+    instance the mean running sequences, cached share of the prompt and uncached tokens."""
+    rows = []
+    for r in recs:
+        run = [v[0] for v in r["views"]]
+        ch, prompt, cached = r["choice"], r["prompt"], r["cached"]
+        lo = min(range(len(run)), key=lambda i: (run[i], -cached[i]))
+        if run[ch] - run[lo] >= 8:
+            rows.append(
+                (
+                    run[ch],
+                    run[lo],
+                    cached[ch] / prompt,
+                    cached[lo] / prompt,
+                    prompt - cached[ch],
+                    prompt - cached[lo],
+                )
+            )
+    if not rows:
+        return {"share": 0.0}
+    keys = (
+        "running_pick",
+        "running_least",
+        "cached_share_pick",
+        "cached_share_least",
+        "uncached_pick",
+        "uncached_least",
+    )
+    return {
+        "share": len(rows) / len(recs),
+        **{k: statistics.fmean(x[j] for x in rows) for j, k in enumerate(keys)},
+    }
+
+
 def analyse(sim: RecordingSim, policy: str, block: int) -> dict[str, Any]:
     recs = [r for r in sim.records.values() if "done" in r]
     ttft = [r["first"] - r["arrival"] for r in recs]
@@ -236,6 +368,18 @@ def analyse(sim: RecordingSim, policy: str, block: int) -> dict[str, Any]:
             "shadow_pick_kv_demand_over_0.9": sum(x["kv_demand"] > 0.9 for x in sh_t) / len(d),
         }
     out["disagreements"] = dis
+    out["tpot_anatomy"] = tpot_anatomy(sim, recs)
+    # how evenly the decode batch is spread, as the router saw it at each decision: the running
+    # sequences of the pick minus the fewest anywhere, and the most minus the fewest
+    running = [[v[0] for v in r["views"]] for r in recs]
+    out["batch_spread"] = {
+        "pick_minus_least": statistics.fmean(
+            [x[r["choice"]] - min(x) for x, r in zip(running, recs, strict=True)]
+        ),
+        "most_minus_least": statistics.fmean([max(x) - min(x) for x in running]),
+        "hit_share_at_pick": statistics.fmean([r["cached"][r["choice"]] / r["prompt"] for r in recs]),
+    }
+    out["above_least"] = above_least(recs)
     # the slowest 1 % of requests: where they went and what that instance looked like then
     slow = sorted(recs, key=lambda r: r["first"] - r["arrival"])[-max(1, len(recs) // 100) :]
     out["slowest"] = [
@@ -267,7 +411,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             seed=args.seed,
         )
         shadows = tuple(p for p in policies if p != name)
-        sim = RecordingSim(cfg, build_policy(name, None), profile.cost, shadows)
+        sim = RecordingSim(cfg, build_policy(name, None, random.Random(args.seed)), profile.cost, shadows)
         stream, _ = open_workload(
             args.trace, "auto", args.workload, args.rate, args.duration, args.seed, False
         )
@@ -293,6 +437,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def tpot_table(reports: Sequence[dict[str, Any]]) -> str:
+    """Markdown: per report (a JSON this script wrote) and policy, the TPOT p99 and its tail taken
+    apart (:func:`tpot_anatomy`), the batch spread and the piled-on decisions (:func:`above_least`)."""
+    lines = [
+        "| run | policy | TPOT p99 (ms) | its tail: prefill + decode steps (ms) | tail's batch / context (k tokens) "
+        "| running, most − least | picks ≥ 8 above the least | their cached share: pick / least | KV hit rate |",
+        "|---|---|---:|---|---|---:|---:|---|---:|",
+    ]
+    for rep in reports:
+        run = f"{rep['workload']}/{rep['instances']} ×{rep['rate_scale']:.3g} seed {rep['seed']}"
+        for r in rep["runs"]:
+            t = r["tpot_anatomy"]["p99_and_above"]
+            a = r["above_least"]
+            shares = f"{a['cached_share_pick']:.2f} / {a['cached_share_least']:.2f}" if a["share"] else "—"
+            lines.append(
+                f"| {run} | {r['policy']} | {r['tpot_ms_p99']:.1f} | {t['prefill_ms']:.1f} + {t['decode_ms']:.1f} "
+                f"| {t['batch_mean']:.1f} / {t['context_k_mean']:.0f} | {r['batch_spread']['most_minus_least']:.1f} "
+                f"| {100 * a['share']:.0f} % | {shares} | {r['kv_hit_rate']:.3f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace")
@@ -304,8 +470,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--profile")
     ap.add_argument("--kv-tokens", type=int)
     ap.add_argument("--policies", default="lmetric,dynamo-lmetric,lmetric-time")
-    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--out", help="JSON file to write")
+    ap.add_argument(
+        "--tpot-table", nargs="+", metavar="JSON", help="print the TPOT tables of these JSON files and exit"
+    )
     args = ap.parse_args(argv)
+    if args.tpot_table:
+        try:
+            reports = [json.loads(Path(f).read_text()) for f in args.tpot_table]
+            print(tpot_table(reports), end="")
+        except (OSError, ValueError, KeyError) as exc:
+            ap.error(f"--tpot-table: {exc!r}")
+        return 0
+    if not args.out:
+        ap.error("--out is required to run")
     if (args.trace is None) == (args.workload is None):
         ap.error("give --trace FILE or --workload NAME")
     out = run(args)

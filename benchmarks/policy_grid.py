@@ -12,7 +12,9 @@ by tens of percent, and the interval over the samples says how far one replay ca
 
 ``--capacity``: instead, every arm's capacity at the paper preset's SLO per (workload, instances)
 and sample, searched as the preset searches it (:mod:`benchmarks.grid_capacity`); ``--merge`` adds
-an earlier capacity grid's samples (same SLOs) to the JSON written.
+an earlier capacity grid's samples (same SLOs) to the JSON written; without ``--capacity``, ``--merge``
+adds an earlier latency grid's arms to the cells both have (:func:`merge_latency`), so that a new arm
+is read against arms run before without running them again.
 
 Loads: each workload's default load in the paper preset at 16 instances (half the cache-blind
 balancer's max rate), scaled by instances / 16, and ``--heavy`` × that. Durations are short
@@ -195,6 +197,30 @@ def recandidate(report: dict[str, Any], cand: str) -> dict[str, Any]:
     return {**report, "candidate": cand, "cells": summarize(cells, cand, quiet=True)}
 
 
+def merge_latency(old: dict[str, Any], cells: dict[str, Any]) -> dict[str, Any]:
+    """``cells`` (raw, as :func:`summarize` takes them) with the arms of an earlier latency grid
+    ``old`` (its JSON, per-sample figures kept) added to the cells both have at the same rate scale.
+    An arm in both must have the same figures on every sample both ran (the simulator is
+    deterministic, so a difference means the runs are not the same runs): ValueError otherwise."""
+    out = {key: {**c, "arms": dict(c["arms"])} for key, c in cells.items()}
+    for key, c in old["cells"].items():
+        mine = out.get(key)
+        if mine is None or not math.isclose(mine["rate_scale"], c["rate_scale"], rel_tol=1e-12):
+            continue
+        for arm, row in c["arms"].items():
+            if "samples" not in row:
+                raise ValueError(f"{key}: {arm} has no per-sample figures")
+            by = {int(k): {"preemptions": 0, "unfinished": 0, **v} for k, v in row["samples"].items()}
+            if arm not in mine["arms"]:
+                mine["arms"][arm] = by
+                continue
+            for k, v in by.items():
+                ran = mine["arms"][arm].get(k)
+                if ran is not None and any(ran[f"{m}_{q}"] != v[f"{m}_{q}"] for m, q in METRICS):
+                    raise ValueError(f"{key}: {arm} sample {k} differs from the merged grid's")
+    return out
+
+
 def run_capacity_grid(args: argparse.Namespace, arms: list[str], argv: Sequence[str] | None) -> int:
     """``--capacity``: run the searches, merge an earlier run's samples, write the JSON."""
     old = None
@@ -254,7 +280,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="capacity at the paper preset's SLO per cell and sample instead of latency at fixed loads",
     )
-    ap.add_argument("--merge", help="with --capacity: an earlier capacity grid JSON whose samples are kept")
+    ap.add_argument(
+        "--merge",
+        help="an earlier grid JSON: with --capacity its samples are kept; without, its arms are added to "
+        "the cells both grids have (the arms both ran must agree sample by sample)",
+    )
     ap.add_argument(
         "--render",
         help="print the markdown table of this grid JSON and exit (runs nothing); with --candidate, "
@@ -293,8 +323,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     if args.capacity:
         return run_capacity_grid(args, arms, argv)
+    merged = None
     if args.merge:
-        ap.error("--merge is for --capacity")
+        try:
+            merged = json.loads(Path(args.merge).read_text())
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"policy_grid: cannot read --merge {args.merge}: {exc}") from None
+        if merged.get("mode") == "capacity":
+            raise SystemExit(f"policy_grid: --merge {args.merge} is a capacity grid (add --capacity)")
     runs = cell_specs(args, arms)
     t0 = time.time()
     with SpecRunner(args.jobs) as runner:
@@ -310,6 +346,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "preemptions": s["preemptions"],
             "kv_hit_rate": s.get("kv_hit_rate"),
         }
+    if merged is not None:
+        try:
+            cells = merge_latency(merged, cells)
+        except ValueError as exc:
+            raise SystemExit(f"policy_grid: --merge {args.merge}: {exc}") from None
     report: dict[str, Any] = {
         "command": "python -m benchmarks.policy_grid " + " ".join(sys.argv[1:] if argv is None else argv),
         "candidate": args.candidate,
@@ -317,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "loadavg": Path("/proc/loadavg").read_text().split()[:3],
         "cells": {},
     }
+    if merged is not None:
+        report["merged"] = {k: merged.get(k) for k in ("command", "wall_seconds", "loadavg")}
     report["cells"] = summarize(cells, args.candidate)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

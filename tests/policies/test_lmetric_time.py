@@ -266,3 +266,43 @@ def test_stepq_mode_adds_one_chunk_of_the_queue_to_the_decode_step() -> None:
     s = LMetricTime(LinearCost(), kv="off", load="step").choose(r, views)
     assert len(set(s.detail["decode_step_s"])) == 1
     assert d.choice == 0 and make_policy("lmetric-time:stepq").load == "stepq"
+
+
+def test_itl_counts_one_decode_step_so_a_cached_prompt_stops_piling_onto_a_large_batch() -> None:
+    # instance 0 caches 5,600 of the 6,000-token prompt but decodes 40 sequences over 192k tokens;
+    # instance 1 caches nothing and decodes 10 sequences over 64k tokens (K = 1: capacity unknown)
+    views = [
+        InstanceView(index=0, running=40, decode_blocks=12_000, max_batched_tokens=4096),
+        InstanceView(index=1, running=10, decode_blocks=4_000, max_batched_tokens=4096),
+    ]
+    r = RequestView(prompt_tokens=6000, cached_tokens=(5600, 0), block_size=16)
+    # 0: chunk 4056, p = 400, h̄ = 5800: (0.010 + 1e-5·4096 + 1e-7·192000 + 1e-9·4056·5800) × 400/4056
+    # 1: chunk 4086, p = 6000, h̄ = 3000: (0.010 + 1e-5·4096 + 1e-7·64000 + 1e-9·4086·3000) × 6000/4086
+    own0 = (0.010 + 0.04096 + 0.0192 + 4056 * 5800e-9) * 400 / 4056
+    own1 = (0.010 + 0.04096 + 0.0064 + 4086 * 3000e-9) * 6000 / 4086
+    d = LMetricTime(LinearCost()).choose(r, views)
+    assert d.scores == pytest.approx((own0 * 41, own1 * 11))
+    assert d.choice == 0  # the plain score: 0.379 against 1.125
+    # itl: one decode step of running + 1 sequences over their context plus the whole prompt
+    # 0: 0.010 + 1e-5·41 + 1e-7·(192000 + 6000) = 0.03021; 1: 0.010 + 1e-5·11 + 1e-7·70000 = 0.01711
+    itl = LMetricTime(LinearCost(), name="lmetric-time:itl", itl=True)
+    assert itl.itl_time(r, views[0]) == pytest.approx(0.03021)
+    assert itl.itl_time(r, views[1]) == pytest.approx(0.01711)
+    d2 = itl.choose(r, views)
+    assert d2.scores == pytest.approx(((own0 + 0.03021) * 41, (own1 + 0.01711) * 11))
+    assert d2.choice == 1  # 1.617 against 1.313
+    assert d2.detail["t_own_s"] == pytest.approx((own0 + 0.03021, own1 + 0.01711))
+
+
+def test_itl_is_registered_beside_the_kv_modes_with_the_default_k() -> None:
+    p = make_policy("lmetric-time:itl")
+    assert isinstance(p, LMetricTime) and p.name == "lmetric-time:itl" and p.itl and p.kv == "demand"
+    assert not make_policy("lmetric-time").itl
+    # on one idle instance the term is one single-sequence step over the prompt: T_own grows by it
+    v = [InstanceView(index=0, max_batched_tokens=4096)]
+    r = RequestView(prompt_tokens=1000, cached_tokens=(0,), block_size=16)
+    base = make_policy("lmetric-time").choose(r, v).detail["t_own_s"][0]
+    with_itl = p.choose(r, v).detail["t_own_s"][0]
+    from kvroute.engine.cost import get_profile
+
+    assert with_itl - base == pytest.approx(get_profile().cost.step_time((), 1, 1000))

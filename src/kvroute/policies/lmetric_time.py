@@ -64,6 +64,17 @@ other long prompts and their queue (docs/results/policy-findings.md, "Why the de
 trails dynamo-lmetric"); D sends it to its earliest first token. ``lmetric-time:stepq`` adds to D's
 step one chunk of the prefill queued there (at most ``chunk(i)`` tokens, no history): the step the
 request would share if the instance kept its present mix of prefill and decode.
+
+``itl=True`` (``lmetric-time:itl``): the request's own time also counts one decode step there,
+
+    T_own(i) += T_itl(i) = step(∅, running(i) + 1, ctx(i) + prompt)
+
+the instance's inter-token time once the request decodes beside its running sequences (its context
+the whole prompt, cached or not): the score prices the time to the request's *second* token, not its
+first. Without it a request that finds most of its prompt cached costs almost nothing anywhere (p ≈
+0), however many sequences decode there, so cache-sharing requests pile onto one instance whose
+decode steps, and every sequence's TPOT, grow with the pile (``docs/results/policy-findings.md``,
+"What sets the default's TPOT tail at the capacity limit").
 """
 
 from __future__ import annotations
@@ -112,10 +123,15 @@ class LMetricTime:
     its ``chunk_step_times``, which prices every instance's two steps of a decision in one vectorised
     call with the same results bit for bit)."""
 
-    __slots__ = ("_cost", "_many", "kv", "load", "name")
+    __slots__ = ("_cost", "_many", "itl", "kv", "load", "name")
 
     def __init__(
-        self, cost: CostModel, name: str = "lmetric-time", kv: str = "demand", load: str = "bs"
+        self,
+        cost: CostModel,
+        name: str = "lmetric-time",
+        kv: str = "demand",
+        load: str = "bs",
+        itl: bool = False,
     ) -> None:
         if kv not in KV_MODES:
             raise ValueError(f"kv must be one of {KV_MODES}, got {kv!r}")
@@ -126,6 +142,7 @@ class LMetricTime:
         self._many = cost.chunk_step_times if isinstance(cost, ChunkStepTimes) else None
         self.name = name
         self.kv = kv
+        self.itl = itl
 
     @staticmethod
     def _terms(request: RequestView, view: InstanceView, cached: int) -> tuple[int, int, int, int, int]:
@@ -146,6 +163,12 @@ class LMetricTime:
         chunk, nd, ctx, q, p = self._terms(request, view, cached)
         t_wait = q / chunk * step(((chunk, 0),), nd, ctx) if q else 0.0
         return t_wait, p / chunk * step(((chunk, cached + p // 2),), nd, ctx)
+
+    def itl_time(self, request: RequestView, view: InstanceView) -> float:
+        """T_itl of the module docstring, seconds: one decode step of ``view``'s running sequences and
+        the request (``running + 1`` sequences reading their context plus the whole prompt)."""
+        ctx = view.decode_blocks * request.block_size + request.prompt_tokens
+        return self._cost.step_time((), view.running + 1, ctx)
 
     def _all_times(
         self, request: RequestView, instances: Sequence[InstanceView]
@@ -180,11 +203,13 @@ class LMetricTime:
     def parts(
         self, request: RequestView, instances: Sequence[InstanceView]
     ) -> tuple[list[tuple[float, float]], list[int], list[float]]:
-        """Per instance: (T_wait, T_own) in seconds, BS in requests, K; the score is
+        """Per instance: (T_wait, T_own) in seconds (with ``itl``, T_own + T_itl), BS in requests, K; the score is
         (T_wait + T_own) × (BS + 1) × K. The feature wrapper (:mod:`kvroute.routing.guarded`) reweights
         BS from these for request classes and load-adaptive weighting."""
         check_inputs(request, instances)
         times = self._all_times(request, instances)
+        if self.itl:
+            times = [(w, o + self.itl_time(request, v)) for (w, o), v in zip(times, instances, strict=True)]
         ks = [self.factor(request, v, c) for c, v in zip(request.cached_tokens, instances, strict=True)]
         return times, [v.running + v.waiting for v in instances], ks
 

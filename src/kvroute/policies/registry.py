@@ -65,7 +65,9 @@ def _lmetric_time(param: str | None, rng: random.Random) -> Policy:
     name = "lmetric-time" if param is None else f"lmetric-time:{param}"
     if param in LOAD_MODES[1:]:  # a multiplier other than BS + 1 (LOAD_MODES[0], the policy's)
         return LMetricTime(get_profile().cost, name=name, load=param)
-    kv = _choice_param("lmetric-time", param, KV_MODES + LOAD_MODES[1:])
+    if param == "itl":  # the default's K, and one decode step in the request's own time
+        return LMetricTime(get_profile().cost, name=name, itl=True)
+    kv = _choice_param("lmetric-time", param, (*KV_MODES, *LOAD_MODES[1:], "itl"))
     return LMetricTime(get_profile().cost, name=name, kv=kv)
 
 

@@ -3,7 +3,8 @@
 Reads what ``kvroute compare --preset paper`` wrote (``docs/results/paper/paper.json`` and each
 workload's ``results.json``) and prints, per workload, markdown tables of:
 
-- every arm against the default (``DEFAULT_POLICY``) at the default load: mean and p99 TTFT and p99
+- every arm against the default (``DEFAULT_ARM``: the default policy behind the router-side queue)
+  at the default load: mean and p99 TTFT and p99
   TPOT over the seeds, with the paired relative difference and its 95 % interval
   (:mod:`kvroute.sim.stats`; *lead* / *loss* only when the interval excludes 0, else *tie*), and
   capacity at the SLO as a ratio to the default's and as a fraction of the bound
@@ -25,11 +26,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvroute.policies.registry import DEFAULT_POLICY
-from kvroute.sim.compare import ROUTER_QUEUE
+from kvroute.sim.compare import DEFAULT_ARM, ROUTER_QUEUE
 from kvroute.sim.stats import Interval, fmt_relative, paired_relative
 
-REFERENCE = DEFAULT_POLICY
+REFERENCE = DEFAULT_ARM
 
 
 def _runs_at(w: dict[str, Any], rate: float) -> dict[str, dict[int, dict[str, Any]]]:
@@ -136,8 +136,8 @@ def _x(v: float | None, digits: int = 2) -> str:
 def markdown(summaries: Sequence[dict[str, Any]], source: str, reference: str = REFERENCE) -> str:
     what = (
         f"the default (`{reference}`)"
-        if reference == DEFAULT_POLICY
-        else f"`{reference}` (the default, `{DEFAULT_POLICY}`, was not in this run)"
+        if reference == DEFAULT_ARM
+        else f"`{reference}` (the default, `{DEFAULT_ARM}`, was not in this run)"
     )
     out = [
         f"# Where {what} leads, ties and loses (the paper preset)",
@@ -209,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", help="write the numbers here")
     ap.add_argument(
         "--reference",
-        help=f"the arm the others are compared with (default: {DEFAULT_POLICY}, the default policy, when the "
+        help=f"the arm the others are compared with (default: {DEFAULT_ARM}, the default, when the "
         "result has it, else lmetric)",
     )
     args = ap.parse_args(argv)

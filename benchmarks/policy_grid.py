@@ -4,7 +4,7 @@
 policy of ``--policies`` (default: the paper preset's arms plus ``linear:0.9``) on each cell
 (workload, instances, load) with ``--seeds`` seeds, and writes per cell, per arm, the mean of each
 metric over the seeds and the paired per-seed difference to ``--candidate`` (default: the registry's
-``DEFAULT_POLICY``) with its 95 % t-interval: the candidate *leads* on a metric when the interval of
+``DEFAULT_ARM``, the default policy behind the router-side queue) with its 95 % t-interval: the candidate *leads* on a metric when the interval of
 (arm − candidate) lies above 0, *loses* when below, else *ties*. A trace is replayed exactly, so a
 seed changes nothing there; its samples (``--trace-samples``) are replays at rates perturbed by
 0.1 % each (sample k at rate × (1 + k / 1000)): near saturation such a small change moves the means
@@ -34,8 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import grid_capacity
-from kvroute.policies.registry import DEFAULT_POLICY
-from kvroute.sim.compare import PAPER_POLICIES, ROUTER_QUEUE, SpecRunner, arm_changes
+from kvroute.sim.compare import DEFAULT_ARM, PAPER_ARMS, SpecRunner, arm_changes, arm_name
 from kvroute.sim.runner import RunSpec
 
 # The paper preset's default load per workload at 16 instances (docs/results/paper-table.md);
@@ -257,11 +256,9 @@ def run_capacity_grid(args: argparse.Namespace, arms: list[str], argv: Sequence[
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--policies", default=",".join([*PAPER_POLICIES, *(p + ROUTER_QUEUE for p in PAPER_POLICIES)])
-    )
+    ap.add_argument("--policies", default=",".join(PAPER_ARMS))
     ap.add_argument("--extra", default="linear:0.9", help="more arms, comma-separated")
-    ap.add_argument("--candidate", default=DEFAULT_POLICY)
+    ap.add_argument("--candidate", default=DEFAULT_ARM, help=f"the arm the others are read against ({DEFAULT_ARM})")
     ap.add_argument("--workloads", default="chatbot,coder,api,agent,multiturn,mooncake")
     ap.add_argument("--instances", default="8,16")
     ap.add_argument("--heavy", type=float, default=1.5, help="the heavier load, × the default (0: none)")
@@ -337,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         summaries = runner.run([r[4] for r in runs])
     cells: dict[str, Any] = {}
     for (wl, n, label, sample, spec), s in zip(runs, summaries, strict=True):
-        arm = spec.policy + (ROUTER_QUEUE if spec.router_queue is not None else "")
+        arm = arm_name(spec.policy, router_queue=spec.router_queue is not None)
         key = f"{wl}/{n}/{label}"
         c = cells.setdefault(key, {"rate_scale": spec.rate_scale, "arms": {}})
         c["arms"].setdefault(arm, {})[sample] = {

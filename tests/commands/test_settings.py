@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import pickle
 import shlex
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -31,6 +33,8 @@ from kvroute.features.limits import LimitsConfig, QuotaConfig
 from kvroute.features.loadadapt import LoadAdaptiveConfig
 from kvroute.features.monitor import ScoreMonitorConfig
 from kvroute.features.settings import FeatureConfig
+from kvroute.policies.registry import DEFAULT_POLICY, DEFAULT_ROUTER_QUEUE
+from kvroute.routing.queue import QueueConfig, default_queue
 from kvroute.sim.runner import RunSpec, SimScenario
 
 floats = st.floats(min_value=0.001, max_value=1e6, allow_nan=False, allow_infinity=False)
@@ -99,9 +103,15 @@ def test_feature_config_to_flags_and_back_is_the_same(features: FeatureConfig, c
     st.integers(0, 4),
     st.booleans(),
     st.sampled_from([64, 256]),
+    st.sampled_from([None, QueueConfig(), QueueConfig(ttl_s=5.0, tick_s=0.01)]),
 )
 def test_sim_command_parses_back_to_the_same_spec(
-    features: FeatureConfig, scale_out: list[tuple[float, int]], spot: int, by_class: bool, seqs: int
+    features: FeatureConfig,
+    scale_out: list[tuple[float, int]],
+    spot: int,
+    by_class: bool,
+    seqs: int,
+    queue: QueueConfig | None,
 ) -> None:
     if features.load_adaptive is not None:  # `kvroute sim` defaults the capacity to --max-num-seqs
         la = dataclasses.replace(features.load_adaptive, seq_capacity=seqs)
@@ -113,10 +123,12 @@ def test_sim_command_parses_back_to_the_same_spec(
         duration=12.5,
         features=features,
         scenario=SimScenario(tuple(scale_out), spot, by_class),
+        router_queue=queue,
     )
     argv = shlex.split(sim_command(spec).removeprefix("kvroute "))
     args = build_parser().parse_args(argv)
-    assert spec_from_args(args, args.policy) == spec
+    # as `kvroute sim` reads it: its queue is on unless the command says otherwise
+    assert spec_from_args(args, args.policy, queue=default_queue()) == spec
 
 
 def test_every_feature_has_flags_and_every_flag_a_field() -> None:
@@ -249,5 +261,91 @@ def test_serve_queue_flags_over_the_file() -> None:
     base = RouterConfig(backends=(), router_queue=QueueConfig(ttl_s=9.0), engine_limits=(4096, 256))
     cfg = with_feature_flags(base, args)
     assert cfg.router_queue == QueueConfig(ttl_s=9.0, tick_s=0.02) and cfg.engine_limits == (4096, 64)
-    off = with_feature_flags(RouterConfig(backends=()), sub.parse_args([]))
+    off = with_feature_flags(RouterConfig(backends=()), sub.parse_args(["--no-router-queue"]))
     assert off.router_queue is None
+
+
+def _sub(command: str) -> argparse.ArgumentParser:
+    return build_parser()._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr,no-any-return]
+
+
+def test_the_default_runs_behind_the_queue_in_sim_and_no_router_queue_turns_it_off() -> None:
+    sim = _sub("sim")
+    assert DEFAULT_ROUTER_QUEUE and default_queue() == QueueConfig()
+    on = spec_from_args(sim.parse_args([]), DEFAULT_POLICY, queue=default_queue())
+    assert on.policy == DEFAULT_POLICY and on.router_queue == QueueConfig(ttl_s=30.0, tick_s=0.0)
+    assert spec_from_args(sim.parse_args(["--router-queue"]), "x", queue=default_queue()).router_queue == (
+        QueueConfig()
+    )
+    ttl = spec_from_args(sim.parse_args(["--queue-ttl", "5"]), "x", queue=default_queue())
+    assert ttl.router_queue == QueueConfig(ttl_s=5.0)
+    off = sim.parse_args(["--no-router-queue"])
+    assert spec_from_args(off, "x", queue=default_queue()).router_queue is None
+    for bad in (["--no-router-queue", "--queue-ttl", "5"], ["--no-router-queue", "--queue-tick", "0.01"]):
+        with pytest.raises(UserError, match="need the router-side queue on"):
+            spec_from_args(sim.parse_args(bad), "x", queue=default_queue())
+
+
+def test_kvroute_sim_runs_the_default_behind_the_queue(tmp_path: Path) -> None:
+    out = tmp_path / "s.json"
+    argv = ["sim", "--workload", "chatbot", "--instances", "2", "--duration", "3", "--no-progress"]
+    assert main([*argv, "--json", str(out)]) == 0
+    on = json.loads(out.read_text())
+    assert on["policy"] == DEFAULT_POLICY and "router_queue" in on  # the queue's own counters
+    assert main([*argv, "--no-router-queue", "--json", str(out)]) == 0
+    assert "router_queue" not in json.loads(out.read_text())
+    assert main([*argv, "--no-router-queue", "--queue-ttl", "3"]) == 2
+
+
+def test_serve_and_up_queue_on_by_default_off_by_flag_or_config(tmp_path: Path) -> None:
+    from kvroute.commands.serve import config_from_args, with_feature_flags
+    from kvroute.commands.settings import config_from_mapping
+    from kvroute.server.config import RouterConfig
+
+    assert RouterConfig(backends=()).router_queue == QueueConfig() == default_queue()
+    for command in ("serve", "up"):
+        sub = _sub(command)
+        base = RouterConfig(backends=())
+        assert with_feature_flags(base, sub.parse_args([])).router_queue == QueueConfig()
+        assert with_feature_flags(base, sub.parse_args(["--router-queue"])).router_queue == QueueConfig()
+        assert with_feature_flags(base, sub.parse_args(["--no-router-queue"])).router_queue is None
+        ttl = with_feature_flags(base, sub.parse_args(["--queue-ttl", "7"]))
+        assert ttl.router_queue == QueueConfig(ttl_s=7.0)
+        with pytest.raises(UserError, match="need the router-side queue on"):
+            with_feature_flags(base, sub.parse_args(["--no-router-queue", "--queue-tick", "0.01"]))
+    # the config file: absent → on; false → off (and a flag over it); true / a mapping → on
+    assert config_from_mapping({"backends": []}).router_queue == QueueConfig()
+    off = config_from_mapping({"backends": [], "router_queue": False})
+    assert off.router_queue is None
+    serve = _sub("serve")
+    assert with_feature_flags(off, serve.parse_args([])).router_queue is None
+    assert with_feature_flags(off, serve.parse_args(["--router-queue"])).router_queue == QueueConfig()
+    with pytest.raises(UserError, match="need the router-side queue on"):
+        with_feature_flags(off, serve.parse_args(["--queue-ttl", "3"]))
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text("backends: [http://127.0.0.1:9]\nrouter_queue: false\n")
+    assert config_from_args(serve.parse_args(["--config", str(cfg)])).router_queue is None
+    cfg.write_text("backends: [http://127.0.0.1:9]\nrouter_queue: {ttl_s: 4}\n")
+    assert config_from_args(serve.parse_args(["--config", str(cfg)])).router_queue == QueueConfig(ttl_s=4.0)
+    assert config_from_args(serve.parse_args(["--config", str(cfg), "--no-router-queue"])).router_queue is None
+    assert main(["serve", "--backend", "http://127.0.0.1:9", "--no-router-queue", "--queue-ttl", "3"]) == 2
+
+
+def test_compare_arms_keep_their_queue_explicit() -> None:
+    """The default's queue does not leak into compare: an arm runs behind the queue only when named
+    with ' +queue' (or every arm with --router-queue), as before the default had it."""
+    from kvroute.sim.compare import DEFAULT_ARM, arm_spec
+
+    compare = _sub("compare")
+    args = compare.parse_args(["--workload", "chatbot", "--policies", "x"])
+    base = spec_from_args(args, "lmetric")
+    assert base.router_queue is None
+    assert arm_spec(base, "lmetric").router_queue is None
+    assert arm_spec(base, DEFAULT_POLICY).router_queue is None  # the default policy, named bare
+    assert arm_spec(base, DEFAULT_ARM).router_queue == QueueConfig()
+    assert arm_spec(base, "vllm +queue").router_queue == QueueConfig()
+    every = spec_from_args(compare.parse_args(["--workload", "chatbot", "--router-queue"]), "lmetric")
+    assert arm_spec(every, "lmetric").router_queue == QueueConfig()
+    no = spec_from_args(compare.parse_args(["--workload", "chatbot", "--no-router-queue"]), "lmetric")
+    assert arm_spec(no, "lmetric").router_queue is None
+    assert arm_spec(no, DEFAULT_ARM).router_queue == QueueConfig()

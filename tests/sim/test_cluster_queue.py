@@ -103,9 +103,13 @@ def test_queue_flags_reach_the_spec_and_the_reproduce_command(tmp_path: Path) ->
     assert sim_command(spec).endswith("--router-queue --queue-ttl 5")
 
 
-def test_queue_flags_without_the_queue_are_an_error(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["sim", "--workload", "chatbot", "--duration", "1", "--queue-ttl", "3"]) != 0
-    assert "--queue-ttl and --queue-tick need --router-queue" in capsys.readouterr().err
+def test_queue_flags_with_the_queue_off_are_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    off = ["sim", "--workload", "chatbot", "--duration", "1", "--no-router-queue"]
+    assert main([*off, "--queue-ttl", "3"]) != 0
+    assert "--queue-ttl and --queue-tick need the router-side queue on" in capsys.readouterr().err
+    # on by default in `kvroute sim`: its fields need no --router-queue
+    assert main(["sim", "--workload", "chatbot", "--duration", "1", "--queue-ttl", "3", "--no-progress"]) == 0
+    capsys.readouterr()
     assert (
         main(["sim", "--workload", "chatbot", "--duration", "1", "--router-queue", "--queue-ttl", "-1"]) != 0
     )

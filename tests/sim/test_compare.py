@@ -140,7 +140,9 @@ def test_compare_staleness_sweep_tables(tmp_path: Path) -> None:
     assert main([*argv, "--jobs", "1", "--out", str(out), "--no-progress"]) == 0
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert [(r["scrape_interval"], r["event_delay"]) for r in runs] == [(0.0, 0.5), (1.0, 0.5)]
-    assert runs[1]["command"].endswith("--scrape-interval 1.0 --event-delay 0.5")
+    # the run's own `kvroute sim` line: an arm without ' +queue' ran without the queue, which sim
+    # turns on by default
+    assert runs[1]["command"].endswith("--scrape-interval 1.0 --event-delay 0.5 --no-router-queue")
     direct = run_spec(tiny_spec("lmetric", 1.0, scrape_interval=1.0, event_delay=0.5))
     assert runs[1]["ttft_ms"] == direct["ttft_ms"]
     table = (out / "table.md").read_text()
@@ -492,7 +494,9 @@ def test_best_lambda_prefers_lowest_mean_ttft_then_smaller() -> None:
 
 
 def test_queue_arms_run_with_the_router_queue_and_stay_out_of_the_staleness_study() -> None:
+    from kvroute.policies.registry import DEFAULT_POLICY
     from kvroute.sim.compare import (
+        DEFAULT_ARM,
         PAPER_ARMS,
         PAPER_POLICIES,
         ROUTER_QUEUE,
@@ -502,6 +506,7 @@ def test_queue_arms_run_with_the_router_queue_and_stay_out_of_the_staleness_stud
     )
 
     assert set(PAPER_ARMS) == {*PAPER_POLICIES, *(p + ROUTER_QUEUE for p in PAPER_POLICIES)}
+    assert DEFAULT_ARM == DEFAULT_POLICY + ROUTER_QUEUE and DEFAULT_ARM in PAPER_ARMS
     assert split_arm("vllm (prefix caching off) +queue") == ("vllm", False) and has_queue("vllm +queue")
     assert (
         arm_changes("lmetric +queue")["router_queue"] is not None

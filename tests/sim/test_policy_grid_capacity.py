@@ -202,3 +202,26 @@ def test_an_arm_run_on_fewer_samples_is_paired_on_those() -> None:
     assert cell["rank"] == 2
     assert cell["binding"]["1"]["best_arm"] == "x" and cell["binding"]["2"]["best_arm"] == "y"
     assert "×4.36 (+9 %, lose (one sample))" in gc.render({"candidate": "cand", "cells": {"chatbot/8": cell}})
+
+
+def test_the_default_candidate_is_the_default_arm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --candidate, a preset is read against the default's arm (its policy behind the queue)."""
+    from kvroute.policies.registry import DEFAULT_POLICY
+    from kvroute.sim.compare import DEFAULT_ARM
+
+    caps = {DEFAULT_ARM: 4.0, DEFAULT_POLICY: 4.0 * STEP, "vllm": 4.0}
+    paper = {
+        "plan": {"instances": 16, "workloads": [{"name": "chatbot", "light_rate": 0.5}]},
+        "workloads": [
+            {
+                "name": "chatbot",
+                "slo": SLO,
+                "capacity": [{"policy": p, "seed": 0, **_at(r)} for p, r in caps.items()],
+            }
+        ],
+    }
+    path = tmp_path / "paper.json"
+    path.write_text(json.dumps(paper))
+    assert main(["--render", str(path)]) == 0
+    table = capsys.readouterr().out
+    assert f"| {DEFAULT_ARM} | **×4** |" in table and f"| {DEFAULT_POLICY} | ×4.36 (+9 %, lose) |" in table

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from benchmarks.policy_grid import main, merge_latency
+from kvroute.sim.compare import DEFAULT_ARM
 
 
 def _fig(x: float) -> dict[str, float]:
@@ -66,7 +67,7 @@ def test_a_real_grid_merged_with_an_earlier_one_reads_the_new_arm_against_the_ol
     )
     a, b = json.loads(first.read_text()), json.loads(second.read_text())
     cell_a, cell_b = a["cells"]["agent/2/default"], b["cells"]["agent/2/default"]
-    assert sorted(cell_b["arms"]) == sorted(["lmetric-time", "lmetric", "vllm"])
+    assert sorted(cell_b["arms"]) == sorted([DEFAULT_ARM, "lmetric", "vllm"])
     assert cell_b["arms"]["lmetric"]["samples"] == cell_a["arms"]["lmetric"]["samples"]
     assert b["merged"]["command"] == a["command"]
     assert cell_b["arms"]["lmetric"]["ttft_ms_mean_vs"] == cell_a["arms"]["lmetric"]["ttft_ms_mean_vs"]

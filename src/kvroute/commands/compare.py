@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_workload_arguments(p)
     add_cluster_arguments(p)
-    add_feature_arguments(p, simulation=True)
+    add_feature_arguments(p, simulation=True, arms=True)
     p.add_argument(
         "--policies",
         help="comma-separated policies, e.g. vllm,lmetric,linear:0.7; a name ending in ' +queue' runs that "
@@ -551,7 +551,7 @@ def compare_command(
     from kvroute.commands.settings import sim_command
 
     sim = sim_command(replace(base, rate_scale=1.0)).removeprefix("kvroute sim ")
-    sim = sim.replace(f" --policy {base.policy}", "")
+    sim = sim.replace(f" --policy {base.policy}", "").replace(" --no-router-queue", "")  # compare's default
     parts = ["kvroute compare", sim, f"--policies {shlex.quote(','.join(policies))}"]
     parts.append(f"--rate-scales {','.join(f'{r:g}' for r in rates)}")
     if args.rate_scale != 1.0:

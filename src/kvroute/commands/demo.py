@@ -1,14 +1,17 @@
 """`kvroute demo`: the main job — kvroute's default policy against its rivals, live over real HTTP.
 
-For each policy (:data:`~kvroute.policies.DEFAULT_POLICY`, then ``lmetric`` when the default is
-another, ``llm-d``, ``dynamo-lmetric`` and the cache-blind balancer ``vllm``) it does what
+For each arm (the default, :data:`~kvroute.sim.compare.DEFAULT_ARM`: the default policy behind the
+router-side queue; then ``lmetric`` when the default is another, ``llm-d``, ``dynamo-lmetric`` and the
+cache-blind balancer ``vllm``, each as it ships: without kvroute's queue) it does what
 ``kvroute up --instances 4`` does — starts 4 fresh emulated engines (``kvroute engine`` subprocesses,
-KV events on) and the router in front of them on loopback — replays 60 s of the generated
+KV events on) and the router in front of them on loopback (an arm named with `` +queue`` behind the
+router-side queue, told the engines' limits, since the job started them) — replays 60 s of the generated
 ``multiturn`` workload through the router with the load generator of ``kvroute bench`` (open loop,
 every response streamed) under a progress bar, and stops everything. It then prints one table: each
 policy's measured TTFT, the engines' own share of it, the simulator's prediction, whether the default
 leads, ties or trails that policy, and the bound (:mod:`kvroute.sim.bound`) no router beats; then a
-simulator-only table (the default behind the router-side queue, the peers' other LMetric variants).
+simulator-only table (the first arm with the router-side queue toggled, the peers' other LMetric
+variants).
 
 The regime is chosen where routing matters: ``multiturn``'s prompts are mostly their own
 conversation's history, and the rate (×1.4, ≈ 44 requests/s) sits at the cache-blind balancer's knee
@@ -38,6 +41,7 @@ from typing import Any
 from kvroute.commands.up import GATEWAYS
 from kvroute.errors import UserError
 from kvroute.policies.registry import DEFAULT_POLICY, PEER_LMETRICS
+from kvroute.sim.compare import DEFAULT_ARM, ROUTER_QUEUE, has_queue, split_arm
 
 HELP = (
     "the main job: 4 emulated engines + the router on this machine; kvroute's default policy against "
@@ -51,8 +55,9 @@ RIVALS = ("lmetric", "llm-d", "dynamo-lmetric", "vllm")
 
 
 def default_policies() -> tuple[str, ...]:
-    """The default first, then each rival that is not the default."""
-    return (DEFAULT_POLICY, *(p for p in RIVALS if p != DEFAULT_POLICY))
+    """The default's arm first (:data:`~kvroute.sim.compare.DEFAULT_ARM`), then each rival that is not
+    the default policy."""
+    return (DEFAULT_ARM, *(p for p in RIVALS if p != DEFAULT_POLICY))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,13 +78,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policies",
         default=policies,
-        help=f"comma-separated; the first is the one compared with the others (default {policies})",
+        help="comma-separated arms: a policy, or a policy behind the router-side queue ('NAME +queue'); "
+        f"the first is the one compared with the others (default {policies})",
     )
     p.add_argument(
         "--sim-policies",
         default=sim_only,
-        help="also in the simulator only, beside the first policy behind the router-side queue and the "
-        f"bound (default the peers' other LMetric variants: {sim_only}; '' for none)",
+        help="also in the simulator only, beside the first arm with the router-side queue toggled and "
+        f"the bound (default the peers' other LMetric variants: {sim_only}; '' for none)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -168,7 +174,7 @@ def _requests(args: argparse.Namespace) -> list[Any]:
 
 
 async def _one(
-    policy: str,
+    arm: str,
     label: str,
     args: argparse.Namespace,
     text: Any,
@@ -176,20 +182,19 @@ async def _one(
     bar: Any,
     shadow: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Start the engines and the router with ``policy``, replay ``reqs``, stop everything; the row
-    (model ms; what the arm cost this process in :mod:`~kvroute.commands.demo_meter`'s terms, with the
+    """Start the engines and the router with ``arm`` (:func:`router_config`), replay ``reqs``, stop
+    everything; the row (model ms; what the arm cost this process in :mod:`~kvroute.commands.demo_meter`'s terms, with the
     router's own routing time in wall ms). ``bar``: a rich ``Progress`` (or None), one task added for
-    this policy. ``shadow``: shadow policies the router also computes for every request (its own
+    this arm. ``shadow``: shadow policies the router also computes for every request (its own
     proxy only; ``benchmarks/study_demo_arms.py`` prices a policy's scoring with them)."""
     from kvroute.commands.demo_meter import ArmMeter
     from kvroute.loadgen import run_bench
     from kvroute.server.app import RouterServer
     from kvroute.server.cluster import EngineCluster
-    from kvroute.server.config import RouterConfig
 
     load_before = os.getloadavg()  # the machine's drift between arms shows in the client's TTFT
     span = args.duration / args.time_scale  # wall seconds of arrivals
-    task = bar.add_task(policy, total=span, start=False, unit="s") if bar is not None else None
+    task = bar.add_task(arm, total=span, start=False, unit="s") if bar is not None else None
 
     def say(line: str) -> None:
         if bar is not None:
@@ -208,7 +213,7 @@ async def _one(
             from kvroute.server.cluster import free_port
             from kvroute.server.extproc.gateway import Gateway
 
-            gateway = Gateway(RouterConfig(backends=backends, port=free_port(), policy=policy))
+            gateway = Gateway(router_config(arm, backends, port=free_port()))
             router: Any = gateway.picker
             try:
                 await gateway.start()
@@ -220,8 +225,7 @@ async def _one(
         else:
             gateway = None
             router = RouterServer(
-                RouterConfig(backends=backends, port=0, policy=policy, shadow=shadow),
-                tokenizer=text.tokenizer,
+                router_config(arm, backends, port=0, shadow=shadow), tokenizer=text.tokenizer
             )
             url = await router.start()
             via = f"router {url}/v1"
@@ -241,7 +245,7 @@ async def _one(
     if bar is not None:
         bar.update(task, completed=span)
         bar.stop_task(task)
-    out = _scaled(result.summary(policy, args.instances), args.time_scale)
+    out = _scaled(result.summary(arm, args.instances), args.time_scale)
     out["label"] = label
     out["engine_ttft_ms_mean"] = engine_ttft
     out["ttft_se_ms"] = _standard_error_ms(result.recorder.ttft, args.time_scale)
@@ -263,13 +267,32 @@ async def _one(
         else ""
     )
     say(
-        f"  {policy}: {out['requests']} requests, {out['unfinished']} unfinished, "
+        f"  {arm}: {out['requests']} requests, {out['unfinished']} unfinished, "
         f"{result.wall_seconds:.1f} s wall ({via} before {args.instances} engines); this process "
         f"(router and client): {out['process_cpu_ms_per_request']:.2f} ms CPU{routed} ms per request, "
         f"{cost.gc_full} full GC passes ({out['gc_pause_ms']:.0f} ms in the collector); load average "
         f"{load_before[0]:.2f} before"
     )
     return out
+
+
+def router_config(arm: str, backends: Any, **more: Any) -> Any:
+    """The router's config for ``arm`` in front of the job's emulated engines: the arm's policy; an arm
+    named with `` +queue`` behind the router-side queue (its defaults) with the engines' limits (the
+    job starts them with the engine model's defaults, so it knows them), any other without it (a
+    rival as it ships). ``more``: other :class:`~kvroute.server.config.RouterConfig` fields."""
+    from kvroute.engine.types import EngineConfig
+    from kvroute.routing.queue import QueueConfig
+    from kvroute.server.config import RouterConfig
+
+    policy, _ = split_arm(arm)
+    if not has_queue(arm):
+        return RouterConfig(backends=backends, policy=policy, router_queue=None, **more)
+    ecfg = EngineConfig()
+    limits = (ecfg.max_num_batched_tokens, ecfg.max_num_seqs)
+    return RouterConfig(
+        backends=backends, policy=policy, router_queue=QueueConfig(), engine_limits=limits, **more
+    )
 
 
 def _progress(show: bool) -> Any:
@@ -302,7 +325,12 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         raise UserError("--policies: give at least one policy")
     if len(set(policies)) != len(policies):
         raise UserError("--policies: a policy is given twice")
-    for p in (*policies, *sim_only):
+    for p in policies:
+        name, caching = split_arm(p)
+        if not caching:
+            raise UserError(f"--policies {p!r}: the job's engines always cache prefixes")
+        make_policy(name)
+    for p in sim_only:
         make_policy(p)
     if args.workload not in WORKLOADS:
         raise UserError(f"unknown workload {args.workload!r}; choose one of {', '.join(WORKLOADS)}")
@@ -366,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
         f"\n### kvroute's default against its rivals: {args.instances} engines, `{args.workload}` "
         f"×{args.rate_scale:g}, {args.duration:g} s, over HTTP\n"
     )
-    print(report.live_table(rows, DEFAULT_POLICY, bound))
+    print(report.live_table(rows, DEFAULT_ARM, bound))
     verdicts = {r["policy"]: v for r in rows if (v := r.get("_verdict")) is not None}
     print(f"\n{report.summary_sentence(first, verdicts)}")
     if (warning := report.busy_machine_warning(rows)) is not None:
@@ -383,13 +411,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{report.BOUND_MEANING}")
     if len(simulated) > len(policies):
         print(
-            "\nIn the simulator only (same workload, seed and cluster): the first policy behind the "
-            "router-side queue,\nand the peers' other LMetric variants:\n"
+            "\nIn the simulator only (same workload, seed and cluster): the first arm with the "
+            "router-side queue toggled,\nand the peers' other LMetric variants:\n"
         )
         print(report.sim_table([(name, r) for name, r in simulated.items()], bound))
     print(
         f"\nThe same in the simulator: kvroute sim --workload {args.workload} --instances {args.instances} "
-        f"--rate-scale {args.rate_scale:g} --duration {args.duration:g} --policy {first}\n"
+        f"--rate-scale {args.rate_scale:g} --duration {args.duration:g} {arm_flags(first)}\n"
         "Run it yourself: "
         + run_yourself(args.instances, first, args.workload, args.rate_scale, args.duration, args.gateway)
     )
@@ -415,14 +443,28 @@ def _machine() -> str:
     return f"Machine: {os.cpu_count()} cores ({model}); load average {load} (1, 5, 15 min) at the start.\n"
 
 
+def arm_flags(arm: str) -> str:
+    """The flags of `kvroute sim` / `up` that run ``arm``: its policy, and ``--no-router-queue`` /
+    ``--router-queue`` where the arm differs from the commands' default
+    (:func:`~kvroute.routing.queue.default_queue`)."""
+    from kvroute.routing.queue import default_queue
+
+    policy, _ = split_arm(arm)
+    queued = has_queue(arm)
+    if queued == (default_queue() is not None):
+        return f"--policy {policy}"
+    return f"--policy {policy} " + ("--router-queue" if queued else "--no-router-queue")
+
+
 def run_yourself(
-    instances: int, policy: str, workload: str, rate_scale: float, duration: float, gateway: str = "none"
+    instances: int, arm: str, workload: str, rate_scale: float, duration: float, gateway: str = "none"
 ) -> str:
-    """A shell line that does one of the job's runs by hand: ``kvroute up`` in the background, the
-    bench (which waits, bounded, until the router answers ready), then stops ``up``."""
+    """A shell line that does one of the job's runs by hand: ``kvroute up`` in the background (with
+    ``arm``'s flags, :func:`arm_flags`), the bench (which waits, bounded, until the router answers
+    ready), then stops ``up``."""
     via = f" --gateway {gateway}" if gateway != "none" else ""
     return (
-        f"kvroute up --instances {instances} --policy {policy}{via} & kvroute bench --url "
+        f"kvroute up --instances {instances} {arm_flags(arm)}{via} & kvroute bench --url "
         f"http://127.0.0.1:8080 --workload {workload} --rate-scale {rate_scale:g} --duration {duration:g}; "
         "kill $!"
     )
@@ -448,25 +490,28 @@ def _mark(rows: list[dict[str, Any]]) -> None:
 def _simulate(
     args: argparse.Namespace, policies: list[str], sim_only: list[str], show: bool
 ) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
-    """Every live policy, the first behind the router-side queue and ``sim_only`` in the simulator
-    (same workload, seed and cluster), and the bound: (arm → summary, bound in model ms)."""
-    from kvroute.routing.queue import QueueConfig
+    """Every live arm, the first with the router-side queue toggled (the default without it, or a
+    first arm without it behind it) and ``sim_only`` in the simulator (same workload, seed and
+    cluster), and the bound: (arm → summary, bound in model ms)."""
     from kvroute.sim.bound import spec_bound, spec_engine
+    from kvroute.sim.compare import arm_changes
     from kvroute.sim.runner import RunSpec, run_spec
 
-    def spec(policy: str, queue: QueueConfig | None = None) -> RunSpec:
+    def spec(arm: str) -> RunSpec:
         return RunSpec(
-            policy=policy,
+            **arm_changes(arm),
             instances=args.instances,
             workload=args.workload,
             duration=args.duration,
             rate_scale=args.rate_scale,
             seed=args.seed,
-            router_queue=queue,
         )
 
+    first = policies[0]
+    toggled = first.removesuffix(ROUTER_QUEUE) if has_queue(first) else first + ROUTER_QUEUE
     arms = [(p, spec(p)) for p in policies]
-    arms.insert(1, (f"{policies[0]} +queue", spec(policies[0], QueueConfig())))
+    if toggled not in policies:
+        arms.insert(1, (toggled, spec(toggled)))
     arms += [(p, spec(p)) for p in sim_only if p not in policies]
     bar = _progress(show)
     out: dict[str, dict[str, Any]] = {}

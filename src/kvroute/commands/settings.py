@@ -20,9 +20,13 @@ Feature flags (every flag defaults to off; a feature's sub-flags only matter whi
   ``hotspot.top_k=3`` (the YAML key names and types);
 - simulation only (`sim`, `compare`): ``--scale-out T:N``, ``--spot-instances N``, ``--by-class``.
 
-The router-side queue (:mod:`kvroute.routing.queue`; off by default): ``--router-queue``
-[``--queue-ttl S``, ``--queue-tick S``]; in YAML the top-level key ``router_queue: true`` or
-``router_queue: {ttl_s: 30, tick_s: 0.01}``.
+The router-side queue (:mod:`kvroute.routing.queue`): on by default in `sim`, `serve` and `up`
+(:data:`~kvroute.policies.registry.DEFAULT_ROUTER_QUEUE`), off per arm in `compare` (an arm named
+with `` +queue`` runs behind it); ``--router-queue`` / ``--no-router-queue`` [``--queue-ttl S``,
+``--queue-tick S``]; in YAML the top-level key ``router_queue: false``, ``true`` or
+``router_queue: {ttl_s: 30, tick_s: 0.01}``. Live, it only holds a request back where the engines'
+limits are known (``--engine-max-num-batched-tokens`` / ``--engine-max-num-seqs``, YAML
+``engine_limits``); without them it never does.
 
 With a config file (`serve`, `up`), a feature's on-flag replaces that feature's section of the file;
 the limits flags change only the limit they name.
@@ -59,7 +63,7 @@ from kvroute.features.classes import ClassConfig
 from kvroute.features.limits import QuotaConfig
 from kvroute.features.mapping import FEATURES, default_of, features_from_mapping, typed
 from kvroute.features.settings import FeatureConfig
-from kvroute.routing.queue import QueueConfig, queue_from_mapping
+from kvroute.routing.queue import QueueConfig, default_queue, queue_from_mapping
 from kvroute.server.config import BackendSpec, RouterConfig, parse_backend_url
 from kvroute.sim.runner import RunSpec, SimScenario
 
@@ -212,8 +216,10 @@ def _flag_type(cls: type, name: str) -> Callable[[str], Any]:
     return type(default)
 
 
-def add_feature_arguments(p: argparse.ArgumentParser, simulation: bool = False) -> None:
-    """The feature flags (see the module docstring); ``simulation`` adds the simulator-only ones."""
+def add_feature_arguments(p: argparse.ArgumentParser, simulation: bool = False, arms: bool = False) -> None:
+    """The feature flags (see the module docstring); ``simulation`` adds the simulator-only ones;
+    ``arms``: the command compares arms (`compare`), so the queue is off unless an arm or the flag
+    says otherwise."""
     g = p.add_argument_group("production features (all off by default; also the config's 'features')")
     for f in FLAGS:
         cls = FEATURES[f.feature]
@@ -254,11 +260,21 @@ def add_feature_arguments(p: argparse.ArgumentParser, simulation: bool = False) 
         metavar="FEATURE.FIELD=VALUE",
         help="any other setting of a feature that is on, by its YAML name, e.g. hotspot.top_k=3",
     )
-    q = p.add_argument_group("router-side queue (off by default; also the config's 'router_queue')")
+    on = "off per arm: a policy named with ' +queue' runs behind it" if arms else "on by default"
+    q = p.add_argument_group(f"router-side queue ({on}; also the config's 'router_queue')")
     q.add_argument(
         "--router-queue",
-        action="store_true",
-        help="late binding: a request whose chosen instance is saturated waits at the router",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="late binding: a request whose chosen instance is saturated waits at the router "
+        + ("(every arm)" if arms else "(default on; --no-router-queue: off)")
+        + (
+            ""
+            if simulation
+            else "; it only holds a request back where the engines' limits are known "
+            "(--engine-max-num-batched-tokens/--engine-max-num-seqs or the config's engine_limits), "
+            "else it never does"
+        ),
     )
     q.add_argument(
         "--queue-ttl",
@@ -451,17 +467,24 @@ def feature_flags(features: FeatureConfig, *, seq_capacity: int | None = None) -
 # ------------------------------------------------------------------------------ simulated cluster
 
 
-def queue_from_args(args: argparse.Namespace, base: QueueConfig | None = None) -> QueueConfig | None:
-    """The router-side queue from the flags over ``base`` (the config file's): on with
-    ``--router-queue`` or a ``base``; ``--queue-ttl`` / ``--queue-tick`` set its fields (UserError
-    for bad values, or for either without the queue on)."""
+def queue_from_args(args: argparse.Namespace, base: QueueConfig | None) -> QueueConfig | None:
+    """The router-side queue from the flags over ``base``, what runs when no flag says otherwise (the
+    config file's, else the command's default: :func:`~kvroute.routing.queue.default_queue` for
+    `sim`, `serve` and `up`; None for `compare`, whose arms say it). ``--router-queue`` turns it on
+    (``base``'s settings, else the defaults), ``--no-router-queue`` off; ``--queue-ttl`` /
+    ``--queue-tick`` set its fields (UserError for bad values, or for either with the queue off)."""
     ttl, tick = getattr(args, "queue_ttl", None), getattr(args, "queue_tick", None)
-    on = getattr(args, "router_queue", False) or base is not None
-    if not on:
+    flag = getattr(args, "router_queue", None)
+    if flag is False:
+        q = None
+    elif flag and base is None:
+        q = QueueConfig()
+    else:
+        q = base
+    if q is None:
         if ttl is not None or tick is not None:
-            raise UserError("--queue-ttl and --queue-tick need --router-queue")
+            raise UserError("--queue-ttl and --queue-tick need the router-side queue on (--router-queue)")
         return None
-    q = base if base is not None else QueueConfig()
     if ttl is not None:
         q = dataclasses.replace(q, ttl_s=ttl)
     if tick is not None:
@@ -470,9 +493,11 @@ def queue_from_args(args: argparse.Namespace, base: QueueConfig | None = None) -
 
 
 def queue_flags(queue: QueueConfig | None) -> list[str]:
-    """The flags that reproduce ``queue`` (none when off)."""
+    """The flags that reproduce ``queue`` in `kvroute sim` (whose default is
+    :func:`~kvroute.routing.queue.default_queue`): ``--no-router-queue`` when off and the default is
+    on; ``--router-queue`` and the fields that differ from the defaults when on."""
     if queue is None:
-        return []
+        return [] if default_queue() is None else ["--no-router-queue"]
     parts = ["--router-queue"]
     default = QueueConfig()
     if queue.ttl_s != default.ttl_s:

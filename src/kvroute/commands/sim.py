@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy",
         default=DEFAULT_POLICY,
-        help=f"routing policy (see the registry; default {DEFAULT_POLICY})",
+        help=f"routing policy (see the registry; default {DEFAULT_POLICY}, behind the router-side queue)",
     )
     p.add_argument("--json", metavar="FILE", help="write the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -74,7 +74,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_feature_arguments(p, simulation=True)
 
 
-def spec_from_args(args: argparse.Namespace, policy: str, rate_scale: float | None = None) -> Any:
+def spec_from_args(
+    args: argparse.Namespace, policy: str, rate_scale: float | None = None, queue: Any = None
+) -> Any:
+    """The run the flags describe; ``queue``: the router-side queue (a ``QueueConfig``, or None: off)
+    when no flag turns it on or off (`kvroute sim` passes the default's, `compare` None: its arms
+    say)."""
     from kvroute.commands.settings import features_from_args, queue_from_args, scenario_from_args
     from kvroute.routing.shadow import parse_shadow_names
     from kvroute.sim.runner import RunSpec
@@ -103,7 +108,7 @@ def spec_from_args(args: argparse.Namespace, policy: str, rate_scale: float | No
         features=features_from_args(args, seq_capacity=args.max_num_seqs),
         scenario=scenario_from_args(args),
         shadow=parse_shadow_names(args.shadow) if getattr(args, "shadow", None) else (),
-        router_queue=queue_from_args(args),
+        router_queue=queue_from_args(args, queue),
     )
 
 
@@ -155,7 +160,9 @@ def write_json(path: str, data: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = spec_from_args(args, args.policy)
+    from kvroute.routing.queue import default_queue
+
+    spec = spec_from_args(args, args.policy, queue=default_queue())
     out = run_with_progress(spec, show=not args.no_progress and sys.stderr.isatty())
     print_summary(out)
     if args.json:

@@ -166,9 +166,10 @@ def run(args: argparse.Namespace) -> int:
             # the dashboard and /debug need the admin token: a random one unless one was given
             made = "admin_token" not in given
             token = given.setdefault("admin_token", secrets.token_urlsafe(16))
-            # the emulated engines run with the engine model's default limits: the queue reads them
+            # the emulated engines run with the engine model's default limits: the queue reads them;
+            # vLLM's own depend on its version and hardware: unknown (the queue then holds nothing back)
             ecfg = EngineConfig()
-            limits = (ecfg.max_num_batched_tokens, ecfg.max_num_seqs)
+            limits = (ecfg.max_num_batched_tokens, ecfg.max_num_seqs) if vllm is None else (0, 0)
             if vllm is not None and "tokenizer" not in given and Path(vllm[0].model).is_dir():
                 given["tokenizer"] = vllm[0].model  # vLLM's own tokenizer and chat template
             cfg = dataclasses.replace(

@@ -32,7 +32,8 @@ How it follows Ray's own routers (``PowerOfTwoChoicesRequestRouter``, Ray Serve 
   that way); the router sets the deadline to ``queue_len_deadline_s`` (default 1 s, Ray's own
   ceiling for its backed-off probes), so a busy replica is still read and a hung one skipped.
 - ``request_router_kwargs`` reach :meth:`initialize_state`: ``policy`` (any registry name,
-  default ``lmetric``), ``features`` (the design's features as in a router YAML file's ``features``
+  default :data:`~kvroute.policies.registry.DEFAULT_POLICY`), ``router_queue`` (below; on by
+  default), ``features`` (the design's features as in a router YAML file's ``features``
   section, e.g. ``{"hotspot": true, "limits": {"p_token_cap": 8192}}``), ``block_size``,
   ``tokenizer`` (a ``tokenizer.json`` path; default: the bundled Qwen3 tokenizer), the approximate
   KV view's ``approx_capacity_blocks`` / ``approx_ttl_s``, ``kv_recovery_s``, ``sync_interval_s``
@@ -60,7 +61,8 @@ How it follows Ray's own routers (``PowerOfTwoChoicesRequestRouter``, Ray Serve 
 A quota refusal (feature ``quota``) cannot be returned by a Ray router (it has no "refuse"); the
 request then goes by Ray's queue lengths alone. Put quotas in the ingress.
 
-**The router-side queue** (``router_queue``: ``true`` or ``{ttl_s, tick_s}``; off by default;
+**The router-side queue** (``router_queue``: ``true`` or ``{ttl_s, tick_s}``, ``false`` for off; on by
+default, :data:`~kvroute.policies.registry.DEFAULT_ROUTER_QUEUE`;
 :mod:`kvroute.routing.queue`): :meth:`choose_replicas` is a coroutine, so a request whose chosen
 replica is saturated waits in it, in the same :class:`~kvroute.routing.queue.RouterQueue` the live
 router and the simulator use, and is routed again from fresh views when a request completes, when a
@@ -95,7 +97,7 @@ from kvroute.features.classes import ClassConfig
 from kvroute.integrations.inflight import InFlight, Row, instance_view
 from kvroute.integrations.prompts import PromptChains, body_of
 from kvroute.integrations.ray_state import Load, Routed, SharedRoutingState
-from kvroute.policies.registry import DEFAULT_POLICY
+from kvroute.policies.registry import DEFAULT_POLICY, DEFAULT_ROUTER_QUEUE
 from kvroute.prepare.tokenize import RequestTokenizer
 from kvroute.routing.core import Decision, RouteRequest, RoutingCore, build_policy
 from kvroute.routing.kvview import KVView
@@ -151,7 +153,7 @@ class KVRouteRequestRouter(RequestRouter):
         share_state: bool = True,
         seed: int = 0,
         state: Any = None,
-        router_queue: Any = None,
+        router_queue: Any = DEFAULT_ROUTER_QUEUE,
     ) -> None:
         """Build the core from ``request_router_kwargs`` (module docstring); ``state``: a shared-state
         actor handle to use instead of the deployment's (tests). Raises UserError for a bad policy,

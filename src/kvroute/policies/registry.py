@@ -30,7 +30,16 @@ from kvroute.policies.simple import LeastRequests, PowerOfTwo, RandomChoice, Rou
 from kvroute.policies.smetric import VllmRouterSMetric
 from kvroute.policies.vllm import VLLM_VARIANTS, VllmBalancer
 
-__all__ = ["DEFAULT_SEED", "PEER_LMETRICS", "POLICIES", "PolicyFactory", "make_policy", "policy_names"]
+__all__ = [
+    "DEFAULT_POLICY",
+    "DEFAULT_ROUTER_QUEUE",
+    "DEFAULT_SEED",
+    "PEER_LMETRICS",
+    "POLICIES",
+    "PolicyFactory",
+    "make_policy",
+    "policy_names",
+]
 
 PolicyFactory = Callable[[str | None, random.Random], Policy]
 
@@ -145,6 +154,15 @@ The peers' own LMetric variants, ported from their sources (each module's docstr
 DEFAULT_POLICY = "lmetric-time"
 """The policy every driver uses when none is named (``sim``, ``compare``, ``serve``, ``up``, the Ray
 router, the main job): the one place that names it."""
+
+DEFAULT_ROUTER_QUEUE = True
+"""Whether the default runs behind the router-side queue (:mod:`kvroute.routing.queue`, its
+``QueueConfig()`` defaults: TTL 30 s, no tick): ``kvroute sim``, ``serve``, ``up`` (and its config
+file) and the Ray Serve router turn the queue on unless told not to (``--no-router-queue``,
+``router_queue: false``). ``kvroute compare`` keeps each arm's queue explicit (an arm without the
+`` +queue`` suffix runs without it); the default's arm there is
+:data:`kvroute.sim.compare.DEFAULT_ARM`. The queue only holds a request back where the engines' limits
+are known; without them it never does (see :func:`kvroute.routing.queue.saturated`)."""
 
 PEER_LMETRICS = ("aibrix-lmetric", "llm-d-lmetric", "dynamo-lmetric", "vllm-router-smetric")
 """The peers' LMetric variants, in the order the comparisons list them."""

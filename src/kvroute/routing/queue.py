@@ -85,6 +85,7 @@ from typing import Any
 
 from kvroute.errors import UserError
 from kvroute.features.classes import class_weight
+from kvroute.policies.registry import DEFAULT_ROUTER_QUEUE
 from kvroute.routing.core import Decision
 from kvroute.views import InstanceView
 
@@ -96,6 +97,7 @@ __all__ = [
     "RouterQueue",
     "Ticket",
     "band_of",
+    "default_queue",
     "open_views",
     "queue_from_mapping",
     "retry_after_s",
@@ -140,6 +142,13 @@ class QueueConfig:
         if not (self.tick_s >= 0 and math.isfinite(self.tick_s)):
             raise UserError(f"router queue: tick_s must be >= 0 seconds (got {self.tick_s})")
         return self
+
+
+def default_queue() -> QueueConfig | None:
+    """The queue the default runs behind when nothing says otherwise (``kvroute sim``, ``serve``,
+    ``up``, the Ray router): :class:`QueueConfig`'s defaults when
+    :data:`~kvroute.policies.registry.DEFAULT_ROUTER_QUEUE`, else None (off)."""
+    return QueueConfig() if DEFAULT_ROUTER_QUEUE else None
 
 
 def queue_from_mapping(value: Any, where: str) -> QueueConfig | None:

@@ -47,7 +47,7 @@ The command-line flags and the YAML file that build it are read by :mod:`kvroute
     record: null                              # the routed traffic as a replayable trace (kvroute sim --trace)
     shadow: [vllm, round-robin]               # shadow policies, computed beside the real one
     otel: false                               # OpenTelemetry traces (the otel extra)
-    router_queue: {ttl_s: 30, tick_s: 0}      # the router-side queue (or true); off by default
+    router_queue: {ttl_s: 30, tick_s: 0}      # the router-side queue (true: on, the default; false: off)
     engine_limits: {max_num_batched_tokens: 8192, max_num_seqs: 256}  # the engines', for the queue
     ...                                       # any other RouterConfig field by name
 
@@ -66,7 +66,7 @@ from urllib.parse import urlparse
 from kvroute.errors import UserError
 from kvroute.features.settings import FeatureConfig
 from kvroute.policies.registry import DEFAULT_POLICY
-from kvroute.routing.queue import QueueConfig
+from kvroute.routing.queue import QueueConfig, default_queue
 
 __all__ = ["BackendSpec", "RouterConfig", "parse_backend_url", "parse_peer_endpoint"]
 
@@ -242,7 +242,9 @@ class RouterConfig:
     record: str | None = None  # --record FILE (kvroute.server.observe.recording); one writer: workers == 1
     shadow: tuple[str, ...] = ()
     otel: bool = False
-    router_queue: QueueConfig | None = None  # the router-side queue (kvroute.routing.queue); None: off
+    # the router-side queue (kvroute.routing.queue; on by default, None: off); it holds a request back
+    # only where engine_limits are known, else it never does
+    router_queue: QueueConfig | None = field(default_factory=default_queue)
     engine_limits: tuple[int, int] = (0, 0)  # the engines' (max_num_batched_tokens, max_num_seqs); 0: unknown
 
     def reloaded(self, new: RouterConfig) -> RouterConfig:

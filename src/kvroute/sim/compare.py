@@ -23,7 +23,7 @@ from types import TracebackType
 from typing import Any
 
 from kvroute.errors import UserError
-from kvroute.policies.registry import DEFAULT_POLICY, PEER_LMETRICS
+from kvroute.policies.registry import DEFAULT_POLICY, DEFAULT_ROUTER_QUEUE, PEER_LMETRICS
 from kvroute.routing.queue import QueueConfig
 from kvroute.sim.bound import UnchainedBlocks, bound_summary
 from kvroute.sim.capacity import Capacity, CapacityRule, CapacitySearch, Slo
@@ -314,14 +314,24 @@ against vLLM engines with 0 % KV hits; plain ``vllm`` (caching on) is the fair r
 ROUTER_QUEUE = " +queue"
 """Suffix of an arm whose router runs the router-side queue (:mod:`kvroute.routing.queue`, defaults)."""
 
-PAPER_ARMS: tuple[str, ...] = PAPER_POLICIES + tuple(p + ROUTER_QUEUE for p in PAPER_POLICIES)
-"""The paper preset's arms: every fixed policy without and with the router-side queue."""
-
 
 def arm_name(policy: str, prefix_caching: bool = True, router_queue: bool = False) -> str:
     """The arm's name: the policy, with :data:`NO_PREFIX_CACHING` when its engines do not cache and
     :data:`ROUTER_QUEUE` when its router queues."""
     return policy + ("" if prefix_caching else NO_PREFIX_CACHING) + (ROUTER_QUEUE if router_queue else "")
+
+
+DEFAULT_ARM = arm_name(DEFAULT_POLICY, router_queue=DEFAULT_ROUTER_QUEUE)
+"""The default's arm in a comparison (``lmetric-time +queue``): the default policy
+(:data:`~kvroute.policies.registry.DEFAULT_POLICY`), behind the router-side queue when
+:data:`~kvroute.policies.registry.DEFAULT_ROUTER_QUEUE`. What the summaries compare every other arm
+with."""
+
+PAPER_ARMS: tuple[str, ...] = tuple(
+    dict.fromkeys((*PAPER_POLICIES, *(p + ROUTER_QUEUE for p in PAPER_POLICIES), DEFAULT_ARM))
+)
+"""The paper preset's arms: every fixed policy without and with the router-side queue (so the
+default's arm, :data:`DEFAULT_ARM`, always among them)."""
 
 
 def has_queue(arm: str) -> bool:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from benchmarks.policy_grid import main, merge_latency
+
 from kvroute.sim.compare import DEFAULT_ARM
 
 

@@ -327,8 +327,23 @@ def test_serve_and_up_queue_on_by_default_off_by_flag_or_config(tmp_path: Path) 
     assert config_from_args(serve.parse_args(["--config", str(cfg)])).router_queue is None
     cfg.write_text("backends: [http://127.0.0.1:9]\nrouter_queue: {ttl_s: 4}\n")
     assert config_from_args(serve.parse_args(["--config", str(cfg)])).router_queue == QueueConfig(ttl_s=4.0)
-    assert config_from_args(serve.parse_args(["--config", str(cfg), "--no-router-queue"])).router_queue is None
+    assert (
+        config_from_args(serve.parse_args(["--config", str(cfg), "--no-router-queue"])).router_queue is None
+    )
     assert main(["serve", "--backend", "http://127.0.0.1:9", "--no-router-queue", "--queue-ttl", "3"]) == 2
+
+
+def test_the_start_up_line_says_whether_the_queue_can_hold_anything() -> None:
+    import dataclasses
+
+    from kvroute.server.config import RouterConfig
+    from kvroute.server.run import queue_note
+
+    base = RouterConfig(backends=())
+    assert queue_note(dataclasses.replace(base, router_queue=None)) == "router-queue=off"
+    assert queue_note(base).startswith("router-queue=on (idle: engine limits unknown")
+    limited = dataclasses.replace(base, engine_limits=(8192, 0))
+    assert queue_note(limited) == "router-queue=on (engine limits: 8192 batched tokens, ? sequences)"
 
 
 def test_compare_arms_keep_their_queue_explicit() -> None:

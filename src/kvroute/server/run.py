@@ -47,6 +47,18 @@ __all__ = [
 ]
 
 
+def queue_note(config: RouterConfig) -> str:
+    """What the start-up line says of the router-side queue: off; on with the engines' limits (it holds
+    a request back while its instance is saturated); or on without them (it never holds one back:
+    nothing is known to be saturated)."""
+    if config.router_queue is None:
+        return "router-queue=off"
+    tokens, seqs = config.engine_limits
+    if not tokens and not seqs:
+        return "router-queue=on (idle: engine limits unknown, --engine-max-num-batched-tokens/--engine-max-num-seqs)"
+    return f"router-queue=on (engine limits: {tokens or '?'} batched tokens, {seqs or '?'} sequences)"
+
+
 def _say(line: str) -> None:
     print(f"kvroute: {line}", file=sys.stderr, flush=True)
 
@@ -194,7 +206,8 @@ def serve_forever(
         found = f" discover: {', '.join(config.discover)}" if config.discover else ""
         admin = f" admin API on; dashboard: {url}/dashboard" if config.admin_token is not None else ""
         line = (
-            f"kvroute serve: {url}/v1 policy={config.policy} backends: {modes or '(none yet)'}{found}{admin}"
+            f"kvroute serve: {url}/v1 policy={config.policy} {queue_note(config)} "
+            f"backends: {modes or '(none yet)'}{found}{admin}"
         )
         await serve_until_signal(server, reloader, lambda: print(line, file=sys.stderr, flush=True))
         return 0

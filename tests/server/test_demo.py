@@ -17,6 +17,7 @@ from kvroute.cli import main
 from kvroute.commands.demo import default_policies, run_yourself
 from kvroute.commands.demo_report import busy_machine_warning, plain_name, summary_sentence, verdict
 from kvroute.policies import DEFAULT_POLICY
+from kvroute.sim.compare import DEFAULT_ARM
 
 
 def test_demo_runs_the_default_against_its_rivals_over_http(
@@ -33,7 +34,7 @@ def test_demo_runs_the_default_against_its_rivals_over_http(
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert [r["policy"] for r in rows] == list(default_policies())
-    assert rows[0]["policy"] == DEFAULT_POLICY and {"llm-d", "dynamo-lmetric", "vllm"} <= {
+    assert rows[0]["policy"] == DEFAULT_ARM and {"llm-d", "dynamo-lmetric", "vllm"} <= {
         r["policy"] for r in rows
     }
     balancer = next(r for r in rows if r["policy"] == "vllm")
@@ -58,16 +59,20 @@ def test_demo_runs_the_default_against_its_rivals_over_http(
     bound = data["bound"]
     assert all(0 < bound["ttft_mean_ms"] <= s["ttft_ms"]["mean"] for s in data["simulated"].values())
     assert all(s["kv_hit_rate"] <= bound["kv_hit_rate"] + 1e-9 for s in data["simulated"].values())
-    assert {f"{DEFAULT_POLICY} +queue", "aibrix-lmetric"} <= set(data["simulated"])
+    # the default's arm with the queue toggled (the default policy without it) in the simulator too
+    assert {DEFAULT_ARM, DEFAULT_POLICY, "aibrix-lmetric"} <= set(data["simulated"])
     text = capsys.readouterr().out
     assert "cache-blind balancer (vLLM's default routing)" in text
-    assert f"| kvroute's default — {plain_name(DEFAULT_POLICY, '')}" in text
+    assert (
+        f"| kvroute's default — {plain_name(DEFAULT_ARM, '')}" in text
+        and "behind the router-side queue" in text
+    )
     assert "| bound: no router does better |" in text and "The bound is what no router can beat" in text
-    assert f"The default ({DEFAULT_POLICY}) " in text
+    assert f"The default ({DEFAULT_ARM}) " in text
     assert "Run it yourself: kvroute up --instances 2 " in text
     assert "Machine: " in text and "load average" in text
-    assert f"  {DEFAULT_POLICY}: " in text and "ms CPU, routing " in text and "full GC passes" in text
-    assert "load average" in text.split(f"  {DEFAULT_POLICY}: ", 1)[1].splitlines()[0]
+    assert f"  {DEFAULT_ARM}: " in text and "ms CPU, routing " in text and "full GC passes" in text
+    assert "load average" in text.split(f"  {DEFAULT_ARM}: ", 1)[1].splitlines()[0]
 
 
 def test_demo_rejects_nonsense(capsys: pytest.CaptureFixture[str]) -> None:
@@ -108,8 +113,9 @@ def _free_port() -> int:
 def test_the_run_it_yourself_line_works_as_printed() -> None:
     """The printed line, with a small cluster, a short run and a free port for 8080: `bench` starts
     while `up` is still bringing its engines up, waits for it, and the line ends with `up` stopped."""
-    line = run_yourself(1, DEFAULT_POLICY, "chatbot", 0.5, 4.0)
-    assert line.startswith("kvroute up --instances 1 ") and " & kvroute bench " in line
+    line = run_yourself(1, DEFAULT_ARM, "chatbot", 0.5, 4.0)
+    assert line.startswith(f"kvroute up --instances 1 --policy {DEFAULT_POLICY} & kvroute bench ")
+    assert "--no-router-queue" in run_yourself(1, DEFAULT_POLICY, "chatbot", 0.5, 4.0)
     port = str(_free_port())
     line = line.replace("http://127.0.0.1:8080", f"http://127.0.0.1:{port}").replace(
         "--policy", f"--port {port} --policy"
@@ -155,10 +161,10 @@ def test_demo_through_envoy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         pytest.skip(f"no Envoy: {exc}")
     out = tmp_path / "demo.json"
     argv = ["demo", "--instances", "2", "--duration", "4", "--time-scale", "2", "--rate-scale", "0.5"]
-    argv += ["--policies", f"{DEFAULT_POLICY},vllm", "--sim-policies", "", "--gateway", "envoy"]
+    argv += ["--policies", f"{DEFAULT_ARM},vllm", "--sim-policies", "", "--gateway", "envoy"]
     assert main([*argv, "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["policy"] for r in rows] == [DEFAULT_POLICY, "vllm"]
+    assert [r["policy"] for r in rows] == [DEFAULT_ARM, "vllm"]
     assert all(r["requests"] > 3 and r["unfinished"] == 0 for r in rows)
     text = capsys.readouterr().out
     assert "with kvroute epp as its picker" in text

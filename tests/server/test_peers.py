@@ -260,7 +260,9 @@ async def test_pick_and_reservation_are_one_step(
     from kvroute.server import pipeline
 
     t = FakeTransport({U1: [Scripted()], U2: [Scripted()]})
-    cfg = RouterConfig(backends=(BackendSpec(U1), BackendSpec(U2)), port=0)
+    # the decide stage (without the router-side queue, whose wait stage decides and takes its hold
+    # in one call, WaitingRoom._commit)
+    cfg = RouterConfig(backends=(BackendSpec(U1), BackendSpec(U2)), port=0, router_queue=None)
     server = RouterServer(cfg, transport=t, tokenizer=tokenizer, background=False)
     await server.start()
     seen: list[int] = []

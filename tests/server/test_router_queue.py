@@ -112,6 +112,10 @@ async def test_queued_requests_go_out_as_the_engine_frees(setup: Setup, tokenize
     assert 1 <= len(records) <= q.enqueued  # the decision records of the requests that waited
     dash = dashboard_state(setup.router.observer)["router_queue"]
     assert dash["queued"] == q.enqueued and dash["waiting"] == 0 and dash["wait_ms_mean"] > 0
+    # each request counts once as routed, queued or not (the wait stage's hold is not an attempt)
+    assert [b.requests_total for b in setup.router.state.backends] == [4]
+    routed = [line for line in metrics.splitlines() if line.startswith("kvroute_backend_routed_total{")]
+    assert len(routed) == 1 and float(routed[0].split()[-1]) == 4
 
 
 async def test_a_client_that_leaves_while_queued_is_counted_and_dropped(

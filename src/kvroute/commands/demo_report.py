@@ -40,11 +40,13 @@ BOUND_MEANING = (
 
 def plain_name(policy: str, default: str) -> str:
     """``policy``'s plain name (``base:param`` reads as its base; an arm behind the router-side queue,
-    ``name +queue``, as ``name (+queue)``), marked when it is ``default``."""
+    ``name +queue``, as ``name, behind the router-side queue``), marked when it is ``default``."""
     from kvroute.sim.compare import ROUTER_QUEUE, has_queue
 
     bare = policy.removesuffix(ROUTER_QUEUE)
-    name = PLAIN_NAMES.get(bare.partition(":")[0], bare) + (" (+queue)" if has_queue(policy) else "")
+    name = PLAIN_NAMES.get(bare.partition(":")[0], bare) + (
+        ", behind the router-side queue" if has_queue(policy) else ""
+    )
     return f"kvroute's default — {name}" if policy == default else name
 
 

@@ -153,7 +153,7 @@ class WaitingRoom:
         if plan.order:
             first = plan.order[0]
             blocks = -(-plan.prompt_tokens // state.config.block_size)
-            hold = Lease(state.backends[first], plan.new_prefill[first], blocks, now)
+            hold = Lease(state.backends[first], plan.new_prefill[first], blocks, now, routed=False)
         fut.set_result((plan, hold))
 
     # ---- when the queue is tried ----------------------------------------------------------------

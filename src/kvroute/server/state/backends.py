@@ -370,11 +370,20 @@ class Lease:
     leave); gone at :meth:`release` (the blocks too, and the pending ones if still there). The pending
     blocks also leave when a scrape that began after ``at`` completes (:meth:`settle`, through
     :meth:`BackendState.settle`; module docstring). Each step is idempotent, so any exit path may call
-    :meth:`release` (and ``finally`` always does), and the counters return to zero whatever the order."""
+    :meth:`release` (and ``finally`` always does), and the counters return to zero whatever the order.
+    ``routed``: it counts in the backend's ``requests_total`` (a routed attempt); the wait stage's hold,
+    which the attempt's own lease replaces, does not."""
 
     __slots__ = ("_clock", "_pending", "_state", "at", "backend", "blocks", "hold", "prefill")
 
-    def __init__(self, backend: BackendState, prefill_tokens: int, blocks: int = 0, at: float = 0.0) -> None:
+    def __init__(
+        self,
+        backend: BackendState,
+        prefill_tokens: int,
+        blocks: int = 0,
+        at: float = 0.0,
+        routed: bool = True,
+    ) -> None:
         self.backend = backend
         self.prefill = prefill_tokens
         self.blocks = blocks
@@ -387,7 +396,8 @@ class Lease:
         self._clock: Callable[[], float] | None = None
         backend.table.add(backend.slot, waiting=1, prefill=prefill_tokens, blocks=blocks, pending=blocks)
         backend._pending[self] = None
-        backend.requests_total += 1
+        if routed:
+            backend.requests_total += 1
 
     def attach(self, hold: Hold | None, clock: Callable[[], float]) -> None:
         """Tell ``hold`` (the policy's bookkeeping of this attempt) of the first byte and the

@@ -258,7 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--policies", default=",".join(PAPER_ARMS))
     ap.add_argument("--extra", default="linear:0.9", help="more arms, comma-separated")
-    ap.add_argument("--candidate", default=DEFAULT_ARM, help=f"the arm the others are read against ({DEFAULT_ARM})")
+    ap.add_argument(
+        "--candidate", default=DEFAULT_ARM, help=f"the arm the others are read against ({DEFAULT_ARM})"
+    )
     ap.add_argument("--workloads", default="chatbot,coder,api,agent,multiturn,mooncake")
     ap.add_argument("--instances", default="8,16")
     ap.add_argument("--heavy", type=float, default=1.5, help="the heavier load, × the default (0: none)")

@@ -336,7 +336,10 @@ def test_decode_cohort_gives_exactly_the_per_request_result(
     assert [key(o) for o in a] == [key(o) for o in b if o.kind is not OutputKind.TOKEN]
     assert fast.take_events() == slow.take_events()
     assert fast.stats() == slow.stats()
-    assert used or not a  # the cohort was exercised
+    # the cohort was exercised wherever a request decoded past its first token (a case whose every
+    # request is too big or aborted before that has nothing to decode: seed 18276, 40 blocks of 4)
+    decoded = any(o.kind is OutputKind.FINISHED and o.num_output_tokens > 1 for o in a)
+    assert used or not decoded
 
 
 def test_cohort_counts_block_boundaries_like_per_request_arithmetic() -> None:

@@ -53,7 +53,8 @@ async def _run(requests: int, every: int, cache_tokens: int, logs: Path) -> dict
         for e in engines:
             await wait_http(e.url, proc=e)
         specs = tuple(BackendSpec(e.url, e.kv[0], e.kv[1]) for e in engines if e.kv is not None)
-        config = RouterConfig(backends=specs, port=0, tokenizer_cache_tokens=cache_tokens)
+        # without the router-side queue, as its committed results ran
+        config = RouterConfig(backends=specs, port=0, tokenizer_cache_tokens=cache_tokens, router_queue=None)
         server = RouterServer(config)
         url = await server.start()
         pid = os.getpid()

@@ -224,7 +224,7 @@ def test_every_command_has_the_queue_flags(command: str) -> None:
     sub = build_parser()._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
     flags = {s for a in sub._actions for s in a.option_strings}
     assert {"--router-queue", "--queue-ttl", "--queue-tick"} <= flags
-    assert ("--engine-max-num-batched-tokens" in flags) == (command == "serve")
+    assert ("--engine-max-num-batched-tokens" in flags) == (command in ("serve", "up"))
 
 
 def test_router_yaml_queue_and_engine_limits() -> None:
@@ -241,8 +241,15 @@ def test_router_yaml_queue_and_engine_limits() -> None:
     assert cfg.router_queue == QueueConfig(ttl_s=5.0, tick_s=0.01) and cfg.engine_limits == (8192, 0)
     assert config_from_mapping({"backends": [], "router_queue": True}).router_queue == QueueConfig()
     assert config_from_mapping({"backends": [], "router_queue": False}).router_queue is None
+    # a key left empty (YAML null) changes nothing: the default, on
+    assert config_from_mapping({"backends": [], "router_queue": None}).router_queue == QueueConfig()
     for bad, needle in (
         ({"router_queue": "yes"}, "router_queue must be true, false or a mapping"),
+        (
+            {"router_queue": {"ttl_s": None}},
+            "r.yaml: router_queue: ttl_s must be a number of seconds, got null",
+        ),
+        ({"router_queue": {"tick_s": True}}, "tick_s must be a float"),
         ({"router_queue": {"ttl": 3}}, "unknown key 'ttl'"),
         ({"engine_limits": {"max_num_seqs": -1}}, "max_num_seqs must be an integer >= 0"),
         ({"engine_limits": {"seqs": 4}}, "unknown key 'seqs'"),
@@ -336,14 +343,25 @@ def test_serve_and_up_queue_on_by_default_off_by_flag_or_config(tmp_path: Path) 
 def test_the_start_up_line_says_whether_the_queue_can_hold_anything() -> None:
     import dataclasses
 
-    from kvroute.server.config import RouterConfig
-    from kvroute.server.run import queue_note
+    from kvroute.server.config import RouterConfig, queue_note
 
     base = RouterConfig(backends=())
     assert queue_note(dataclasses.replace(base, router_queue=None)) == "router-queue=off"
     assert queue_note(base).startswith("router-queue=on (idle: engine limits unknown")
     limited = dataclasses.replace(base, engine_limits=(8192, 0))
     assert queue_note(limited) == "router-queue=on (engine limits: 8192 batched tokens, ? sequences)"
+
+
+def test_up_takes_the_engines_limits_for_vllm_only(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvroute.commands.serve import with_feature_flags
+    from kvroute.server.config import RouterConfig
+
+    up = _sub("up")
+    args = up.parse_args(["--engine-max-num-batched-tokens", "2048", "--engine-max-num-seqs", "64"])
+    assert with_feature_flags(RouterConfig(backends=()), args).engine_limits == (2048, 64)
+    # the emulated engines' limits are known: a flag that says otherwise is refused, not ignored
+    assert main(["up", "--instances", "1", "--engine-max-num-seqs", "64"]) == 2
+    assert "are for --engine vllm" in capsys.readouterr().err
 
 
 def test_compare_arms_keep_their_queue_explicit() -> None:

@@ -192,6 +192,14 @@ def test_request_classes_reweight_bs_in_the_time_score() -> None:
     # the tpot class (w = 2) weighs the 3 running sequences harder: (3 + 1) ** 2 = 16
     tpot = g.choose(dataclass_replace(r, req_class="tpot"), views)
     assert tpot.scores == pytest.approx((t0 * 16.0, t1)) and tpot.choice == 0
+    # the load-term ablations have no BS + 1 to reweight: refused, not silently scored as the default
+    for load in ("step", "stepq"):
+        with pytest.raises(UserError, match="does not combine"):
+            Guarded(
+                LMetricTime(LinearCost(), name=f"lmetric-time:{load}", load=load),
+                FeatureConfig(classes=ClassConfig()),
+            )
+    assert Guarded(LMetricTime(LinearCost(), itl=True), FeatureConfig(classes=ClassConfig())).choose(r, views)
 
 
 def test_step_mode_multiplies_by_the_decode_step_of_the_batch_joined() -> None:

@@ -303,6 +303,8 @@ def test_serve_flags_and_config_roles(tmp_path):
         (["--decode", "http://127.0.0.1:9001", "--kv-transfer-bandwidth", "0"], "positive"),
         (["--decode", "http://127.0.0.1:9001", "--kv-events", "http://127.0.0.1:7=tcp://x:1"], "neither"),
         (["--decode", "http://127.0.0.1:9001", "--policy", "nope"], "nope"),
+        (["--decode", "http://127.0.0.1:9001", "--router-queue"], "P/D mode runs without it"),
+        (["--decode", "http://127.0.0.1:9001", "--queue-ttl", "5"], "P/D mode runs without it"),
     ],
 )
 def test_serve_bad_pd_flags(argv, fragment):

@@ -76,6 +76,8 @@ def pd_config(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     base = dataclasses.replace(base, **limit_overrides(args))
     if args.backend:
         raise UserError("--backend is for a colocated fleet; in P/D mode give --prefill and --decode")
+    if getattr(args, "router_queue", None) or args.queue_ttl is not None or args.queue_tick is not None:
+        raise UserError("the router-side queue is for a colocated fleet; P/D mode runs without it")
     from kvroute.commands.settings import backends_from_text
     from kvroute.server.sync.discovery import make_source
 
@@ -164,7 +166,7 @@ async def _serve(args: argparse.Namespace) -> None:
         await server.stop()
         raise UserError(f"cannot listen on {host}:{port}: {exc}") from None
     line = (
-        f"kvroute serve (P/D): http://{host}:{bound}/v1 policy={cfg.policy} "
+        f"kvroute serve (P/D): http://{host}:{bound}/v1 policy={cfg.policy} router-queue=off (P/D) "
         f"prefill={len(server.pools['prefill'])} decode={len(server.pools['decode'])} "
         f"discovery sources={len(cfg.discover)} conditional={cfg.conditional}"
     )

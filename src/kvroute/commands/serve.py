@@ -68,21 +68,23 @@ ADMIN_TOKEN_ENV = "KVROUTE_ADMIN_TOKEN"
 
 def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> None:
     """Flags shared by `serve` and `up`."""
+    p.add_argument(
+        "--engine-max-num-batched-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the engines' chunk budget (vLLM's --max-num-batched-tokens), for the router-side queue"
+        + ("" if backends else " (--engine vllm; the emulated engines' own are known)"),
+    )
+    p.add_argument(
+        "--engine-max-num-seqs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the engines' batch limit (vLLM's --max-num-seqs), for the router-side queue"
+        + ("" if backends else " (--engine vllm; the emulated engines' own are known)"),
+    )
     if backends:
-        p.add_argument(
-            "--engine-max-num-batched-tokens",
-            type=int,
-            default=None,
-            metavar="N",
-            help="the engines' chunk budget (vLLM's --max-num-batched-tokens), for --router-queue",
-        )
-        p.add_argument(
-            "--engine-max-num-seqs",
-            type=int,
-            default=None,
-            metavar="N",
-            help="the engines' batch limit (vLLM's --max-num-seqs), for --router-queue",
-        )
         p.add_argument(
             "--backend",
             action="append",

@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     from kvroute.integrations.vllm_launch import stop_all
     from kvroute.server.app import RouterServer
     from kvroute.server.cluster import EngineCluster
-    from kvroute.server.config import BackendSpec, RouterConfig
+    from kvroute.server.config import BackendSpec, RouterConfig, queue_note
     from kvroute.server.run import Reloadable, run_loop, serve_until_signal
 
     if args.gateway == "envoy":
@@ -136,6 +136,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--time-scale must be positive")
     make_policy(args.policy or DEFAULT_POLICY)
     vllm = vllm_settings(args) if args.engine == "vllm" else None
+    if vllm is None and (
+        args.engine_max_num_batched_tokens is not None or args.engine_max_num_seqs is not None
+    ):
+        raise UserError(
+            "--engine-max-num-batched-tokens / --engine-max-num-seqs are for --engine vllm: kvroute up "
+            "knows its emulated engines' limits"
+        )
     if args.gateway == "envoy":
         from kvroute.commands.epp import require_gateway
         from kvroute.server.extproc.envoyproc import find_envoy
@@ -168,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
             token = given.setdefault("admin_token", secrets.token_urlsafe(16))
             # the emulated engines run with the engine model's default limits: the queue reads them;
             # vLLM's own depend on its version and hardware: unknown (the queue then holds nothing back)
+            # (--engine-max-num-batched-tokens / --engine-max-num-seqs tell them: with_feature_flags)
             ecfg = EngineConfig()
             limits = (ecfg.max_num_batched_tokens, ecfg.max_num_seqs) if vllm is None else (0, 0)
             if vllm is not None and "tokenizer" not in given and Path(vllm[0].model).is_dir():
@@ -192,7 +200,9 @@ def run(args: argparse.Namespace) -> int:
             except BaseException:
                 await server.stop()
                 raise
-            print(f"kvroute up: {args.instances} {what}, policy={cfg.policy}", file=sys.stderr)
+            print(
+                f"kvroute up: {args.instances} {what}, policy={cfg.policy} {queue_note(cfg)}", file=sys.stderr
+            )
             if gateway is not None:
                 print(f"  {gateway.describe()}", file=sys.stderr)
             for b in backends:

@@ -76,6 +76,11 @@ class Guarded:
             or features.classes is not None
             or features.load_adaptive is not None
         )
+        if self._own_score and isinstance(lm, LMetricTime) and (lm.load != "bs"):
+            raise UserError(
+                f"{inner.name} (a load term other than BS + 1) does not combine with cold start, request "
+                "classes or load-adaptive weighting, which reweight BS + 1: use lmetric-time"
+            )
         names = features.names()
         self.name = "+".join([inner.name, *names]) if names else inner.name
         self.hotspot = HotspotDetector(features.hotspot) if features.hotspot is not None else None

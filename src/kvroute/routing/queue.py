@@ -137,6 +137,10 @@ class QueueConfig:
     tick_s: float = 0.0
 
     def check(self) -> QueueConfig:
+        for name in ("ttl_s", "tick_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise UserError(f"router queue: {name} must be a number of seconds (got {value!r})")
         if not (self.ttl_s > 0 and math.isfinite(self.ttl_s)):
             raise UserError(f"router queue: ttl_s must be a positive number of seconds (got {self.ttl_s})")
         if not (self.tick_s >= 0 and math.isfinite(self.tick_s)):
@@ -153,16 +157,22 @@ def default_queue() -> QueueConfig | None:
 
 def queue_from_mapping(value: Any, where: str) -> QueueConfig | None:
     """A config value (a router YAML's ``router_queue``, Ray's ``request_router_kwargs``): ``true``
-    (the defaults), ``false`` / null (off) or a mapping of :class:`QueueConfig` fields (UserError
-    for anything else or a bad field)."""
+    (the defaults), ``false`` (off), null (the default: :func:`default_queue`, so a key left empty
+    changes nothing) or a mapping of :class:`QueueConfig` fields (UserError for anything else or a
+    bad field)."""
     from kvroute.features.mapping import build
 
-    if value is None or value is False:
+    if value is None:
+        return default_queue()
+    if value is False:
         return None
     if value is True:
         return QueueConfig()
     if not isinstance(value, Mapping):
         raise UserError(f"{where}: router_queue must be true, false or a mapping, got {value!r}")
+    for key, field_value in value.items():
+        if field_value is None:
+            raise UserError(f"{where}: router_queue: {key} must be a number of seconds, got null")
     queue: QueueConfig = build(QueueConfig, value, f"{where}: router_queue")
     return queue.check()
 

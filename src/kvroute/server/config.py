@@ -68,7 +68,7 @@ from kvroute.features.settings import FeatureConfig
 from kvroute.policies.registry import DEFAULT_POLICY
 from kvroute.routing.queue import QueueConfig, default_queue
 
-__all__ = ["BackendSpec", "RouterConfig", "parse_backend_url", "parse_peer_endpoint"]
+__all__ = ["BackendSpec", "RouterConfig", "parse_backend_url", "parse_peer_endpoint", "queue_note"]
 
 
 TOKENIZE_MODES = ("defer", "exact")  # RouterConfig.tokenize
@@ -373,3 +373,15 @@ def parse_peer_endpoint(text: str, dns: bool = True) -> tuple[str, str, int]:
     if not 1 <= int(port) <= 65535:
         raise UserError(f"peer endpoint {text!r}: port must be in 1..65535")
     return scheme, host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def queue_note(config: RouterConfig) -> str:
+    """What the start-up line says of the router-side queue: off; on with the engines' limits (it holds
+    a request back while its instance is saturated); or on without them (it never holds one back:
+    nothing is known to be saturated)."""
+    if config.router_queue is None:
+        return "router-queue=off"
+    tokens, seqs = config.engine_limits
+    if not tokens and not seqs:
+        return "router-queue=on (idle: engine limits unknown, --engine-max-num-batched-tokens/--engine-max-num-seqs)"
+    return f"router-queue=on (engine limits: {tokens or '?'} batched tokens, {seqs or '?'} sequences)"

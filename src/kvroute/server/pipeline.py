@@ -234,15 +234,20 @@ class Proxy:
             if err.close:  # the rest of the request is never read: the connection cannot go on
                 resp.force_close()
             return resp
-        self.timed(t0, t1, prep, t5)
-        tail = None
-        if prep.pending is not None:  # tokenize=defer: the new text is tokenized on the way
-            tail = Tail(state, plan.cached_blocks, self._tokenize_pool, prep.pending, prep.key)
-        headers = forward_headers(request)
-        headers[REQUEST_ID_HEADER] = rid
-        rec = obs.planned(rid, plan.decision, plan.shadow, path, request.headers, arrival, t5 - t0)
-        recording = self.recording
-        ticket = recording.begin(arrival) if recording is not None else 0
+        try:  # nothing here awaits; should any of it raise, the wait stage's hold goes with it
+            self.timed(t0, t1, prep, t5)
+            tail = None
+            if prep.pending is not None:  # tokenize=defer: the new text is tokenized on the way
+                tail = Tail(state, plan.cached_blocks, self._tokenize_pool, prep.pending, prep.key)
+            headers = forward_headers(request)
+            headers[REQUEST_ID_HEADER] = rid
+            rec = obs.planned(rid, plan.decision, plan.shadow, path, request.headers, arrival, t5 - t0)
+            recording = self.recording
+            ticket = recording.begin(arrival) if recording is not None else 0
+        except BaseException:
+            if hold is not None:
+                hold.release()
+            raise
         end: bytes | None = None
         try:
             attempts = plan.order[: 1 + state.config.max_retries]

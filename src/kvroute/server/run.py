@@ -33,7 +33,7 @@ from kvroute.errors import UserError
 from kvroute.policies.registry import make_policy
 from kvroute.routing.core import with_features
 from kvroute.server.app import RouterServer
-from kvroute.server.config import RouterConfig
+from kvroute.server.config import RouterConfig, queue_note
 from kvroute.server.sync.discovery import ParseBackends
 
 __all__ = [
@@ -45,18 +45,6 @@ __all__ = [
     "serve_until_signal",
     "wait_for_signal",
 ]
-
-
-def queue_note(config: RouterConfig) -> str:
-    """What the start-up line says of the router-side queue: off; on with the engines' limits (it holds
-    a request back while its instance is saturated); or on without them (it never holds one back:
-    nothing is known to be saturated)."""
-    if config.router_queue is None:
-        return "router-queue=off"
-    tokens, seqs = config.engine_limits
-    if not tokens and not seqs:
-        return "router-queue=on (idle: engine limits unknown, --engine-max-num-batched-tokens/--engine-max-num-seqs)"
-    return f"router-queue=on (engine limits: {tokens or '?'} batched tokens, {seqs or '?'} sequences)"
 
 
 def _say(line: str) -> None:

@@ -86,7 +86,7 @@ from prometheus_client.registry import Collector
 from kvroute.errors import UserError
 from kvroute.logtext import configure_logging
 from kvroute.server.app import RouterServer
-from kvroute.server.config import RouterConfig
+from kvroute.server.config import RouterConfig, queue_note
 from kvroute.server.run import Reloader, run_loop, serve_until_signal
 from kvroute.server.state.loadtable import LoadTable, SharedTableSpec
 from kvroute.server.state.runfiles import RunFiles, sweep
@@ -311,7 +311,8 @@ class Supervisor:
             modes = ", ".join(f"{b.url} ({'exact' if b.kv_events else 'approx'})" for b in cfg.backends)
             if not self._stopping:  # every worker drains a SIGINT/SIGTERM from now on (they said so)
                 print(
-                    f"kvroute serve: {self.url}/v1 policy={cfg.policy} workers={self.workers} backends: {modes}",
+                    f"kvroute serve: {self.url}/v1 policy={cfg.policy} {queue_note(cfg)} workers={self.workers} "
+                    f"backends: {modes}",
                     file=sys.stderr,
                     flush=True,
                 )

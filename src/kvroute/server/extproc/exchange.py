@@ -190,16 +190,21 @@ class Exchange:
             t5 = clock() - plan.decision.queued_s
         except ApiError as err:
             return self.refuse(err)
-        proxy.timed(t0, t1, prep, t5)
-        self.stream = parsed.stream
-        if prep.pending is not None:  # tokenize=defer: the new text is tokenized on the way
-            self.tail = Tail(state, plan.cached_blocks, proxy.tokenize_pool, prep.pending, prep.key)
-        rec = self.rec = obs.planned(
-            self.rid, plan.decision, plan.shadow, self.path, self.headers, self.arrival, t5 - t0
-        )
-        self.plan = plan
-        tries = plan.order[: 1 + state.config.max_retries]
-        order = [i for n, i in enumerate(tries) if takes(state, i, retry=n > 0)]
+        try:  # nothing here awaits; should any of it raise, the wait stage's hold goes with it
+            proxy.timed(t0, t1, prep, t5)
+            self.stream = parsed.stream
+            if prep.pending is not None:  # tokenize=defer: the new text is tokenized on the way
+                self.tail = Tail(state, plan.cached_blocks, proxy.tokenize_pool, prep.pending, prep.key)
+            rec = self.rec = obs.planned(
+                self.rid, plan.decision, plan.shadow, self.path, self.headers, self.arrival, t5 - t0
+            )
+            self.plan = plan
+            tries = plan.order[: 1 + state.config.max_retries]
+            order = [i for n, i in enumerate(tries) if takes(state, i, retry=n > 0)]
+        except BaseException:
+            if hold is not None:
+                hold.release()
+            raise
         if not order:
             if hold is not None:
                 hold.release()

@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from kvroute.errors import UserError
 from kvroute.server.app import RouterServer
-from kvroute.server.config import RouterConfig
+from kvroute.server.config import RouterConfig, queue_note
 from kvroute.server.extproc.exchange import Picker
 from kvroute.server.extproc.service import ExtProc, Health
 from kvroute.server.run import Reloader, run_loop, serve_until_signal
@@ -162,7 +162,8 @@ def serve_epp(
         mode = "metadata only" if metadata_only else "header and metadata"
         line = (
             f"kvroute epp: ext_proc on {server.grpc_address} ({mode}; gRPC health: liveness, readiness) "
-            f"policy={config.policy} backends: {len(config.backends)}; metrics and dashboard: {url}"
+            f"policy={config.policy} {queue_note(config)} backends: {len(config.backends)}; "
+            f"metrics and dashboard: {url}"
         )  # announced once the signal handlers are in place (kvroute.server.run: readiness)
         await serve_until_signal(server, reloader, lambda: print(line, file=sys.stderr, flush=True))
         return 0

@@ -107,9 +107,11 @@ def test_queue_flags_with_the_queue_off_are_an_error(capsys: pytest.CaptureFixtu
     off = ["sim", "--workload", "chatbot", "--duration", "1", "--no-router-queue"]
     assert main([*off, "--queue-ttl", "3"]) != 0
     assert "--queue-ttl and --queue-tick need the router-side queue on" in capsys.readouterr().err
-    # on by default in `kvroute sim`: its fields need no --router-queue
+    # on by default in `kvroute sim`: its fields need no --router-queue; the summary says the queue's state
     assert main(["sim", "--workload", "chatbot", "--duration", "1", "--queue-ttl", "3", "--no-progress"]) == 0
-    capsys.readouterr()
+    assert "router-side queue: 0 held back (0 past the TTL)" in capsys.readouterr().out
+    assert main([*off, "--no-progress"]) == 0
+    assert "router-side queue: off" in capsys.readouterr().out
     assert (
         main(["sim", "--workload", "chatbot", "--duration", "1", "--router-queue", "--queue-ttl", "-1"]) != 0
     )

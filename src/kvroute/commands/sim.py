@@ -148,6 +148,14 @@ def print_summary(out: dict[str, Any]) -> None:
             f"shadow {name}: agrees {sh['agreement']:.1%}; its choice: P-token×(BS+1) "
             f"{sh['mean_score_diff']:+,.0f}, cached tokens {sh['mean_cached_diff']:+,.1f} on average"
         )
+    q = out.get("router_queue")
+    if q is not None:
+        print(
+            f"router-side queue: {q['queued']:,} held back ({q['expired']:,} past the TTL), wait p99 "
+            f"{q['wait_ms']['p99']:,.1f} ms (--no-router-queue: without it)"
+        )
+    else:
+        print("router-side queue: off")
     if out.get("skipped_lines"):
         print(f"skipped {out['skipped_lines']} bad trace lines")
 

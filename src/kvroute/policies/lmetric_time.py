@@ -164,11 +164,23 @@ class LMetricTime:
         t_wait = q / chunk * step(((chunk, 0),), nd, ctx) if q else 0.0
         return t_wait, p / chunk * step(((chunk, cached + p // 2),), nd, ctx)
 
+    def _joined_step(self, request: RequestView, view: InstanceView, queued_chunk: bool) -> float:
+        """Seconds of one step of the batch ``request`` joins on ``view``: ``running + 1`` decoding
+        sequences reading their context plus the whole prompt; with ``queued_chunk``, also one chunk (at
+        most ``chunk`` tokens, no history) of the prefill queued there. T_itl and D of the module
+        docstring."""
+        q = 0
+        if queued_chunk:
+            q = min(
+                view.queued_prefill_tokens, max((view.max_batched_tokens or DEFAULT_CHUNK) - view.running, 1)
+            )
+        ctx = view.decode_blocks * request.block_size + request.prompt_tokens
+        return self._cost.step_time(((q, 0),) if q else (), view.running + 1, ctx)
+
     def itl_time(self, request: RequestView, view: InstanceView) -> float:
         """T_itl of the module docstring, seconds: one decode step of ``view``'s running sequences and
         the request (``running + 1`` sequences reading their context plus the whole prompt)."""
-        ctx = view.decode_blocks * request.block_size + request.prompt_tokens
-        return self._cost.step_time((), view.running + 1, ctx)
+        return self._joined_step(request, view, queued_chunk=False)
 
     def _all_times(
         self, request: RequestView, instances: Sequence[InstanceView]
@@ -219,15 +231,8 @@ class LMetricTime:
         context; with ``load="stepq"`` also one chunk (at most ``chunk`` tokens, no history) of the
         prefill queued there. ``load="step"``'s and ``"stepq"``'s factor in place of BS + 1 (module
         docstring)."""
-        step = self._cost.step_time
-        p = request.prompt_tokens
-        bsz = request.block_size
-        out = []
-        for v in instances:
-            q = min(v.queued_prefill_tokens, max((v.max_batched_tokens or DEFAULT_CHUNK) - v.running, 1))
-            pre = ((q, 0),) if q and self.load == "stepq" else ()
-            out.append(step(pre, v.running + 1, v.decode_blocks * bsz + p))
-        return out
+        queued_chunk = self.load == "stepq"
+        return [self._joined_step(request, v, queued_chunk) for v in instances]
 
     def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
         """Pick the instance with the lowest (T_wait + T_own) × (BS + 1) × K (with ``load="step"``, × D

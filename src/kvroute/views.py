@@ -38,10 +38,6 @@ class InstanceView:
     - ``max_batched_tokens``: the engine's chunk budget, tokens one step computes at most (vLLM's
       ``max_num_batched_tokens``); ``max_num_seqs``: its batch limit, sequences. 0: unknown. The
       router-side queue reads them (:func:`kvroute.routing.queue.saturated`).
-    - ``gated``: the router-side queue gates what is sent here (:mod:`kvroute.routing.queue`): a
-      request goes out only when the instance's next step can start it (its chunk budget is known),
-      so the engine's own queue holds no more than the work its next steps start and the requests
-      beyond wait at the router. False without the queue or without a known chunk budget.
     """
 
     index: int
@@ -55,7 +51,6 @@ class InstanceView:
     warming: bool = False
     max_batched_tokens: int = 0
     max_num_seqs: int = 0
-    gated: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +71,12 @@ class RequestView:
       plain policies ignore it).
     - ``chain``: the prompt's block hashes (full blocks; the KV view's hashes), for policies that keep
       a prefix table of their own (the peers' routing-history tables); ``()`` when not given.
+    - ``gated``: routed behind the router-side queue (:mod:`kvroute.routing.queue`), which gates what
+      reaches every instance whose view carries a chunk budget (``InstanceView.max_batched_tokens``
+      > 0, :func:`held_back`): a request goes out only when that instance's next step can start it, so
+      the engine's own queue holds no more than the work its next steps start and the requests
+      beyond wait at the router. False without the queue. One flag per decision, not per view: the
+      queue marks nothing on the views themselves.
     """
 
     prompt_tokens: int
@@ -88,6 +89,7 @@ class RequestView:
     prefix_key: int = 0
     now: float = 0.0
     chain: tuple[int, ...] = field(default=(), compare=False, repr=False)
+    gated: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +109,13 @@ class Choice:
     lower_is_better: bool = True
     detail: dict[str, tuple[float, ...]] = field(default_factory=dict, compare=False)
     reason: str = "policy"
+
+
+def held_back(request: RequestView, view: InstanceView) -> bool:
+    """Whether the router-side queue gates what reaches ``view``'s instance for ``request``: routed
+    behind the queue (``request.gated``) and the instance's chunk budget known (the queue holds back
+    only what a known budget says its next step cannot start)."""
+    return request.gated and view.max_batched_tokens > 0
 
 
 class Hold(Protocol):

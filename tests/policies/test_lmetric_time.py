@@ -108,16 +108,21 @@ def test_behind_the_router_queue_kv_demand_is_the_blocks_held() -> None:
     """A gated instance (the router-side queue sends it only what its next step starts) owes its pool
     no queued prefill beyond that: K counts its held blocks only, while T_wait still prices the queue."""
     queued = _queued_view()
-    gated = dataclass_replace(queued, gated=True)
     r = RequestView(prompt_tokens=100, cached_tokens=(0,), block_size=16)
+    behind = dataclass_replace(r, gated=True)
     policy = LMetricTime(LinearCost())
     assert policy.factor(r, queued) == pytest.approx(500 * 2.0)  # 100 held + 400 queued blocks = C
-    assert policy.factor(r, gated) == pytest.approx(500 / 400)  # 100 held blocks only
-    assert policy.times(r, gated, 0) == policy.times(r, queued, 0)  # the queue's time is the same
+    assert policy.factor(behind, queued) == pytest.approx(500 / 400)  # 100 held blocks only
+    assert policy.times(behind, queued, 0) == policy.times(r, queued, 0)  # the queue's time is the same
+    # an instance whose chunk budget is unknown is never held back: its queue counts behind the queue too
+    unknown = dataclass_replace(queued, max_batched_tokens=0)
+    assert policy.factor(behind, unknown) == pytest.approx(500 * 2.0)
     # the ablation "queued" counts the queue behind the router-side queue as well
-    assert make_policy("lmetric-time:queued").factor(r, gated) == pytest.approx(500 * 2.0)
+    assert make_policy("lmetric-time:queued").factor(behind, queued) == pytest.approx(500 * 2.0)
     # "own" still adds the request's own blocks behind the queue: 100 held + 100 / 16 = 6.25 blocks
-    assert LMetricTime(LinearCost(), kv="own").factor(r, gated, 0) == pytest.approx(500 / (500 - 106.25))
+    assert LMetricTime(LinearCost(), kv="own").factor(behind, queued, 0) == pytest.approx(
+        500 / (500 - 106.25)
+    )
 
 
 def test_own_modes_count_the_blocks_the_request_would_add_where_its_prefix_is_not_cached() -> None:

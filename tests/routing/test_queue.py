@@ -164,24 +164,28 @@ def test_a_waiting_request_claims_its_instance_in_the_views_later_decisions_see(
     assert a.ticket.key == "a" and seen[-1][0].waiting == 0 and q.claims() == {}
 
 
-def test_the_policy_sees_gated_views_where_the_chunk_budget_is_known() -> None:
-    """Under the queue the views a policy sees say so (``gated``) where saturation can be judged by
-    the chunk budget; an instance whose budget is unknown is never held back, so it is not gated."""
-    unknown = dataclasses.replace(view(2), max_batched_tokens=0)
-    c = Cluster(view(0, queued=500), view(1), unknown)
+def test_the_policy_sees_the_drivers_views_with_only_the_claimed_ones_copied() -> None:
+    """The queue adds claims to the claimed instances' views and leaves every other view as the
+    driver gave it (the same object: no copy per view per decision)."""
+    c = Cluster(view(0, queued=500), view(1), view(2))
     seen: list[list[InstanceView]] = []
 
     def route(t: Ticket, views: Sequence[InstanceView], first: bool) -> Decision:
         seen.append(list(views))
         return c.route(t, views, first)
 
+    def get(pool: object) -> list[InstanceView]:
+        got.append(c.get(pool))
+        return got[-1]
+
+    got: list[list[InstanceView]] = []
     q = RouterQueue(QueueConfig())
-    q.offer(Ticket("a", cost=10, payload=0), 0.0, c.get, route, c.commit)
-    assert [v.gated for v in seen[-1]] == [True, True, False]
-    # "a" waits for instance 0 and claims it: the claimed view is gated as well
-    q.offer(Ticket("b", cost=10, payload=0), 0.1, c.get, route, c.commit)
-    assert seen[-1][0].waiting == 1 and [v.gated for v in seen[-1]] == [True, True, False]
-    assert not any(v.gated for v in c.get(None))  # the driver's own views are left as they were
+    q.offer(Ticket("a", cost=10, payload=0), 0.0, get, route, c.commit)
+    assert seen[-1] == got[-1] and all(a is b for a, b in zip(seen[-1], got[-1], strict=True))
+    # "a" waits for instance 0 and claims it: only that view is a copy
+    q.offer(Ticket("b", cost=10, payload=0), 0.1, get, route, c.commit)
+    assert seen[-1][0].waiting == got[-1][0].waiting + 1
+    assert seen[-1][1] is got[-1][1] and seen[-1][2] is got[-1][2]
 
 
 def test_a_load_counting_policy_spreads_around_a_request_it_holds_back() -> None:

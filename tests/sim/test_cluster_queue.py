@@ -116,3 +116,28 @@ def test_queue_flags_with_the_queue_off_are_an_error(capsys: pytest.CaptureFixtu
         main(["sim", "--workload", "chatbot", "--duration", "1", "--router-queue", "--queue-ttl", "-1"]) != 0
     )
     assert "ttl_s must be a positive" in capsys.readouterr().err
+
+
+class _Recording:
+    """A policy that remembers whether each request it routed was behind the router-side queue."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.inner = make_policy("lmetric")
+        self.gated: list[bool] = []
+
+    def choose(self, request, instances):  # type: ignore[no-untyped-def]
+        self.gated.append(request.gated)
+        return self.inner.choose(request, instances)
+
+
+@pytest.mark.parametrize("queue", [QueueConfig(), None])
+def test_the_policy_knows_whether_it_routes_behind_the_queue(queue: QueueConfig | None) -> None:
+    """Every decision the queue asks for says so once, in the request view (the policy reads it with
+    each view's chunk budget: ``kvroute.views.held_back``); without the queue none does."""
+    profile = get_profile()
+    cfg = SimConfig(instances=2, kv_capacity_tokens=profile.kv_capacity_tokens, router_queue=queue)
+    policy = _Recording()
+    ClusterSim(cfg, policy, profile.cost).run(burst(6, prompt=2048))  # type: ignore[arg-type]
+    assert len(policy.gated) >= 6 and set(policy.gated) == {queue is not None}

@@ -296,7 +296,7 @@ class KVRouteRequestRouter(RequestRouter):
                 q.cancel(key)
 
     def _route_ticket(self, ticket: Ticket, views: Sequence[InstanceView], first: bool) -> Decision:
-        return self.core.route(ticket.payload[0], views, self._get_curr_time_s(), charge=first)
+        return self.core.route(ticket.payload[0], views, self._get_curr_time_s(), charge=first, gated=True)
 
     def _commit(self, ticket: Ticket, decision: Decision) -> None:
         req, pr, fut = ticket.payload

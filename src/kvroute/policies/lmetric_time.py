@@ -34,8 +34,8 @@ chunk costs on that instance now, and the score is scaled by the pool's projecte
   and the request's prefill run (every step they wait for is theirs as well).
 - K(i) = C / (C − U) with C = ``kv_capacity_blocks`` and U = ``decode_blocks`` + Q / block size, the
   blocks held plus those the queued prefill will take (projected KV demand). Behind the router-side
-  queue (a ``gated`` view: the queue sends the instance only what its next step can start, and holds
-  the rest back) U = ``decode_blocks``: the queue already keeps an instance from taking more prefill
+  queue (:func:`~kvroute.views.held_back`: the queue sends the instance only what its next step can
+  start, and holds the rest back) U = ``decode_blocks``: the queue already keeps an instance from taking more prefill
   than it can start, which is what counting the queue in U guards against without it, and counting
   the one step's work it lets through (a whole long prompt, at times) turns a conversation's next
   turn away from the instance that holds its history (measured in
@@ -83,7 +83,7 @@ from collections.abc import Sequence
 
 from kvroute.engine.types import ChunkStepTimes, CostModel
 from kvroute.policies.base import check_inputs
-from kvroute.views import Choice, InstanceView, RequestView
+from kvroute.views import Choice, InstanceView, RequestView, held_back
 
 __all__ = ["DEFAULT_CHUNK", "KV_MODES", "VECTOR_MIN_INSTANCES", "LMetricTime", "kv_demand_factor"]
 
@@ -206,7 +206,7 @@ class LMetricTime:
             return 1.0
         bsz = max(request.block_size, 1)
         demand = float(view.decode_blocks)
-        if (self.kv in ("demand", "own") and not view.gated) or self.kv == "queued":
+        if (self.kv in ("demand", "own") and not held_back(request, view)) or self.kv == "queued":
             demand += view.queued_prefill_tokens / bsz
         if self.kv in ("own", "heldown"):
             demand += max(request.prompt_tokens - cached, 0) / bsz

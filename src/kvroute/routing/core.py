@@ -198,13 +198,19 @@ class RoutingCore:
         return self.policy.name
 
     def route(
-        self, req: RouteRequest, views: Sequence[InstanceView], now: float, charge: bool = True
+        self,
+        req: RouteRequest,
+        views: Sequence[InstanceView],
+        now: float,
+        charge: bool = True,
+        gated: bool = False,
     ) -> Decision:
         """Decide where ``req`` goes among ``views`` (non-empty; their ``index`` is the KV view's
         backend id) at ``now`` (seconds). Mutates the features' and policy's state, not the KV view
         (the driver records where the request went with :meth:`KVView.on_routed`). ``charge``
         False: the request's quota was charged by an earlier call (the router-side queue routes a
-        waiting request again; :mod:`kvroute.routing.queue`)."""
+        waiting request again; :mod:`kvroute.routing.queue`). ``gated``: routed behind the router-side
+        queue (``RequestView.gated``; the queue's route callback in every driver says so)."""
         guard = self.guard
         bs = self.block_size
         prompt = req.prompt_tokens
@@ -232,6 +238,7 @@ class RoutingCore:
             prefix_key=key,
             now=now,
             chain=req.chain,
+            gated=gated,
         )
         choice = self.policy.choose(rv, views)
         indices = tuple([v.index for v in views])

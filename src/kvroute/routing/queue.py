@@ -62,9 +62,10 @@ still judged on the engine's own view. Without claims a load-counting policy (``
 4·waiting + running, a prefix policy's load tie-break) saw no effect of the requests it held back and
 sent every later one to the same saturated instance while others stood idle: on ``api`` at ×9 that
 cost vllm 804 vs 151 ms mean TTFT; with claims 159 ms, p99 482 vs 626 ms
-(docs/results/router-queue.md). A request decided afresh withdraws its own claim first. The views
-the policy sees are also marked ``gated`` where the instance's chunk budget is known (this queue then
-decides what reaches its engine), so a policy can tell the engine's own queue from the router's.
+(docs/results/router-queue.md). A request decided afresh withdraws its own claim first. The
+decisions the queue asks for are made behind it (``RequestView.gated``; with an instance's chunk budget
+known this queue decides what reaches its engine: :func:`kvroute.views.held_back`), so a policy can
+tell the engine's own queue from the router's.
 
 **Why the choice over all instances, not the choice among the open ones**: sending a queued request
 to whichever instance frees first throws away its prefix-cache affinity; measured in the simulator
@@ -108,7 +109,7 @@ ViewsFn = Callable[[Hashable], Sequence[InstanceView]]
 """``views(pool)``: the pool's instance views now (with the reservations made so far)."""
 RouteFn = Callable[["Ticket", Sequence[InstanceView], bool], Decision]
 """``route(ticket, views, first)``: the routing core's decision over ``views`` (``first``: may charge
-a quota; later calls must not)."""
+a quota; later calls must not), made behind the queue (``RoutingCore.route(..., gated=True)``)."""
 CommitFn = Callable[["Ticket", Decision], Any]
 """``commit(ticket, decision)``: carry the decision out (reserve, send; or answer a refusal)."""
 
@@ -538,23 +539,16 @@ class RouterQueue:
 
     def _claimed(self, pool: Hashable, views: Sequence[InstanceView]) -> Sequence[InstanceView]:
         """``views`` as the policy sees them under the queue: the claims on each instance added to its
-        ``waiting`` and ``queued_prefill_tokens``, and ``gated`` set where the instance's chunk budget
-        is known (the queue then holds back what its next step cannot start). Saturation is judged on
-        ``views`` themselves."""
-        claims = self._claims.get(pool, {})
+        ``waiting`` and ``queued_prefill_tokens`` (only the claimed views are copied). Saturation is
+        judged on ``views`` themselves."""
+        claims = self._claims.get(pool)
+        if not claims:
+            return views
         out = []
         for v in views:
             c = claims.get(v.index)
-            gated = v.gated or v.max_batched_tokens > 0
             if c is not None:
-                v = replace(
-                    v,
-                    waiting=v.waiting + c[0],
-                    queued_prefill_tokens=v.queued_prefill_tokens + c[1],
-                    gated=gated,
-                )
-            elif gated != v.gated:
-                v = replace(v, gated=gated)
+                v = replace(v, waiting=v.waiting + c[0], queued_prefill_tokens=v.queued_prefill_tokens + c[1])
             out.append(v)
         return out
 

@@ -443,7 +443,7 @@ class ClusterSim:
 
     def _route_ticket(self, ticket: Ticket, views: Sequence[InstanceView], first: bool) -> Decision:
         assert self.core is not None
-        return self.core.route(ticket.payload[1], views, self.loop.now, charge=first)
+        return self.core.route(ticket.payload[1], views, self.loop.now, charge=first, gated=True)
 
     def _commit(self, ticket: Ticket, decision: Decision) -> None:
         req, rr, arrived = ticket.payload

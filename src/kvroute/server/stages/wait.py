@@ -134,7 +134,7 @@ class WaitingRoom:
     def _route(self, ticket: Ticket, views: Sequence[InstanceView], first: bool) -> Decision:
         state = self.state
         self._views = views
-        return state.routing.route(ticket.payload[0], views, state.clock(), charge=first)
+        return state.routing.route(ticket.payload[0], views, state.clock(), charge=first, gated=True)
 
     def _commit(self, ticket: Ticket, decision: Decision) -> None:
         rr, prep, fut, queued_at = ticket.payload

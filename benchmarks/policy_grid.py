@@ -292,7 +292,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.render:
-        shown = json.loads(Path(args.render).read_text())
+        try:
+            shown = json.loads(Path(args.render).read_text())
+        except (OSError, ValueError) as exc:
+            ap.error(f"--render {args.render}: {exc}")
         if "plan" in shown:  # the paper preset's result: its capacity searches
             raw = grid_capacity.raw_of_preset(shown)
             print(

@@ -239,6 +239,46 @@ def test_step_mode_multiplies_by_the_decode_step_of_the_batch_joined() -> None:
     assert step.choice == 1 and step.detail["bs"] == (3.0, 40.0)
 
 
+def test_blocks_modes_multiply_by_the_load_in_kv_blocks_for_the_requests_they_name() -> None:
+    """``blocks``: M = decode_blocks + ⌈prompt / block⌉ + 1 (Dynamo's decode term) for every request;
+    ``blocks-cold`` only where no instance caches any of the prompt, ``blocks-flat`` only where every
+    instance caches the same prefix; BS + 1 otherwise."""
+    views = [
+        InstanceView(
+            index=0, running=3, queued_prefill_tokens=8000, decode_blocks=3000, max_batched_tokens=4096
+        ),
+        InstanceView(
+            index=1, running=40, queued_prefill_tokens=500, decode_blocks=500, max_batched_tokens=4096
+        ),
+    ]
+    cost = LinearCost()
+
+    def scores(load: str, cached: tuple[int, int]) -> tuple[float, ...]:
+        r = RequestView(prompt_tokens=8000, cached_tokens=cached, block_size=16)
+        return LMetricTime(cost, kv="off", load=load).choose(r, views).scores
+
+    cold = RequestView(prompt_tokens=8000, cached_tokens=(0, 0), block_size=16)
+    bs = LMetricTime(cost, kv="off").choose(cold, views)
+    assert bs.choice == 0  # BS + 1: 4 against 41 (test_step_mode_multiplies_by_the_decode_step_…)
+    t0, t1 = bs.scores[0] / 4, bs.scores[1] / 41
+    # 8,000 / 16 = 500 blocks of its own: 3,000 + 500 + 1 against 500 + 500 + 1
+    blocks = LMetricTime(cost, kv="off", load="blocks").choose(cold, views)
+    assert blocks.scores == pytest.approx((t0 * 3501, t1 * 1001)) and blocks.choice == 1
+    assert blocks.detail["multiplier"] == (3501.0, 1001.0)
+    for load in ("blocks-cold", "blocks-flat"):  # nothing cached anywhere: both count blocks
+        assert scores(load, (0, 0)) == blocks.scores
+    # a prefix cached on one instance only: neither counts blocks
+    assert scores("blocks-cold", (0, 1600)) == scores("bs", (0, 1600))
+    assert scores("blocks-flat", (0, 1600)) == scores("bs", (0, 1600))
+    # the same prefix cached everywhere: "flat" counts blocks, "cold" does not
+    assert scores("blocks-cold", (1600, 1600)) == scores("bs", (1600, 1600))
+    assert scores("blocks-flat", (1600, 1600)) == scores("blocks", (1600, 1600))
+    assert scores("blocks", (1600, 1600)) != scores("bs", (1600, 1600))
+    for load in ("blocks", "blocks-cold", "blocks-flat"):
+        p = make_policy(f"lmetric-time:{load}")
+        assert p.name == f"lmetric-time:{load}" and p.load == load and p.kv == "demand"
+
+
 def test_step_mode_keeps_k_and_is_registered_beside_the_kv_ablations() -> None:
     views = [
         InstanceView(index=0, running=1, decode_blocks=100, kv_capacity_blocks=500, max_batched_tokens=4096),
@@ -254,7 +294,7 @@ def test_step_mode_keeps_k_and_is_registered_beside_the_kv_ablations() -> None:
     with pytest.raises(UserError, match="step"):
         make_policy("lmetric-time:bs")
     with pytest.raises(ValueError, match="load must be"):
-        LMetricTime(LinearCost(), load="blocks")
+        LMetricTime(LinearCost(), load="tokens")
 
 
 def test_stepq_mode_adds_one_chunk_of_the_queue_to_the_decode_step() -> None:

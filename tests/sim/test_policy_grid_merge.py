@@ -72,3 +72,18 @@ def test_a_real_grid_merged_with_an_earlier_one_reads_the_new_arm_against_the_ol
     assert cell_b["arms"]["lmetric"]["samples"] == cell_a["arms"]["lmetric"]["samples"]
     assert b["merged"]["command"] == a["command"]
     assert cell_b["arms"]["lmetric"]["ttft_ms_mean_vs"] == cell_a["arms"]["lmetric"]["ttft_ms_mean_vs"]
+
+
+@pytest.mark.parametrize("content", [None, "{", "[1, 2"])
+def test_render_of_a_missing_or_broken_file_is_a_one_line_usage_error(
+    tmp_path, capsys: pytest.CaptureFixture[str], content: str | None
+) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "grid.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        main(["--render", str(path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert ": error: --render " in err[-1] and str(path) in err[-1]
+    assert "Traceback" not in "\n".join(err)

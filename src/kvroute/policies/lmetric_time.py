@@ -65,6 +65,15 @@ trails dynamo-lmetric"); D sends it to its earliest first token. ``lmetric-time:
 step one chunk of the prefill queued there (at most ``chunk(i)`` tokens, no history): the step the
 request would share if the instance kept its present mix of prefill and decode.
 
+``lmetric-time:blocks`` replaces BS + 1 by Dynamo's decode term, load counted in KV blocks rather than
+requests: M(i) = ``decode_blocks(i)`` + ⌈prompt / block size⌉ + 1 (as ``dynamo-lmetric``). Two
+ablations apply it to some requests only and keep BS + 1 for the rest: ``blocks-cold`` where no
+instance caches any of the prompt, ``blocks-flat`` where every instance caches the same prefix (the
+placement cannot change the request's hit). They test whether counting load in blocks is what
+``api`` needs and whether it can be confined to the requests it helps
+(docs/results/policy-findings.md, "Load in KV blocks: what repairs api, and where it does not
+transfer").
+
 ``itl=True`` (``lmetric-time:itl``): the request's own time also counts one decode step there,
 
     T_own(i) += T_itl(i) = step(∅, running(i) + 1, ctx(i) + prompt)
@@ -96,9 +105,11 @@ the cost model has ``chunk_step_times``); below, numpy's fixed cost per call out
 ``step_time`` calls it saves (measured on ``benchmarks/bench_decide.py``'s inputs, where the two cross
 between 6 and 8 instances). Both paths give the same scores bit for bit."""
 
-LOAD_MODES = ("bs", "step", "stepq")
+LOAD_MODES = ("bs", "step", "stepq", "blocks", "blocks-cold", "blocks-flat")
 """What multiplies (T_wait + T_own): BS + 1 (the policy), or D, one step's time of the batch the request
-joins, without (``lmetric-time:step``) or with (``lmetric-time:stepq``) a chunk of the queued prefill."""
+joins, without (``lmetric-time:step``) or with (``lmetric-time:stepq``) a chunk of the queued prefill;
+or the load in KV blocks, for every request (``blocks``), for those no instance caches any of
+(``blocks-cold``) or for those every instance caches alike (``blocks-flat``) (module docstring)."""
 
 KV_MODES = ("demand", "held", "off", "own", "heldown", "queued")
 """How K counts KV use: held plus queued blocks, held only behind the router-side queue (the policy);
@@ -234,12 +245,27 @@ class LMetricTime:
         queued_chunk = self.load == "stepq"
         return [self._joined_step(request, v, queued_chunk) for v in instances]
 
+    def _in_blocks(self, request: RequestView) -> bool:
+        """Whether ``request``'s multiplier is the load in KV blocks (``load="blocks"`` and its two
+        partial ablations; module docstring)."""
+        load = self.load
+        if load == "blocks":
+            return True
+        cached = request.cached_tokens
+        if load == "blocks-cold":
+            return not any(cached)
+        return load == "blocks-flat" and min(cached) == max(cached)
+
     def choose(self, request: RequestView, instances: Sequence[InstanceView]) -> Choice:
         """Pick the instance with the lowest (T_wait + T_own) × (BS + 1) × K (with ``load="step"``, × D
-        in place of BS + 1: :meth:`decode_steps`)."""
+        in place of BS + 1: :meth:`decode_steps`; with the ``blocks`` loads, × the load in KV blocks
+        for the requests :meth:`_in_blocks` names)."""
         times, bs, ks = self.parts(request, instances)
-        step = self.load != "bs"
+        step = self.load in ("step", "stepq")
         mult: Sequence[float] = self.decode_steps(request, instances) if step else [b + 1 for b in bs]
+        if self._in_blocks(request):
+            own = -(-request.prompt_tokens // max(request.block_size, 1))
+            mult = [v.decode_blocks + own + 1.0 for v in instances]
         scores = [(w + o) * m * k for (w, o), m, k in zip(times, mult, ks, strict=True)]
         best_s = min(scores)
         best = min(
@@ -253,4 +279,6 @@ class LMetricTime:
         }
         if step:
             detail["decode_step_s"] = tuple(mult)
+        elif self.load != "bs":
+            detail["multiplier"] = tuple(mult)
         return Choice(choice=best, scores=tuple(scores), policy=self.name, detail=detail)

@@ -117,16 +117,19 @@ class Shadows:
         self, req: RouteRequest, views: Sequence[InstanceView], now: float, real: Decision
     ) -> tuple[ShadowPick, ...]:
         """Each shadow's choice for ``req`` among ``views`` at ``now``, compared with ``real`` (the
-        real core's decision for the same request and views; a refused one is skipped: ``()``).
+        real core's decision for the same request and views; a refused one is skipped: ``()``). Behind
+        the router-side queue ``views`` are the ones the real policy saw (the queue's claims in them)
+        and each shadow routes behind the queue too (``RequestView.gated``, as ``real``'s).
         Mutates the shadows' own policies and the tallies, never the KV view."""
         chosen = real.instance
         if chosen is None:
             return ()
         base_score = load_term(real, chosen)
         base_cached = real.cached_on(chosen)
+        gated = real.view is not None and real.view.gated  # behind the router-side queue, as the real one
         picks = []
         for name, core in zip(self.names, self.cores, strict=True):
-            inst = core.route(req, views, now).instance
+            inst = core.route(req, views, now, gated=gated).instance
             assert inst is not None  # shadows have no quota
             pick = ShadowPick(
                 name,

@@ -204,6 +204,7 @@ class ClusterSim:
         self._dirty: set[int] = set()
         self._shadow_names = shadow  # shadow policies (kvroute.routing.shadow), built with the core
         self.shadows: Shadows | None = None
+        self._routed_views: Sequence[InstanceView] = ()  # the views of the queue's last route call
         # the router-side queue: bands from the request classes' BS weights (the classes feature's
         # if it is on); waits (s) of the requests that were queued; armed tick / TTL events
         q = config.router_queue
@@ -443,11 +444,12 @@ class ClusterSim:
 
     def _route_ticket(self, ticket: Ticket, views: Sequence[InstanceView], first: bool) -> Decision:
         assert self.core is not None
+        self._routed_views = views  # the queue commits right after routing, with these views
         return self.core.route(ticket.payload[1], views, self.loop.now, charge=first, gated=True)
 
     def _commit(self, ticket: Ticket, decision: Decision) -> None:
         req, rr, arrived = ticket.payload
-        self._carry_out(req, rr, arrived, self._all_views(self.loop.now), decision)
+        self._carry_out(req, rr, arrived, list(self._routed_views), decision)
 
     def _released(self, released: list[Released]) -> None:
         self.queue_waits.extend(r.waited_s for r in released if r.queued)

@@ -1,10 +1,13 @@
 """A request body with a ``Content-Encoding``, end to end over real sockets: aiohttp's server decodes
 gzip and deflate bodies before the router reads them, so a body that does not decode is the client's
-400 (JSON, one log line, never a traceback, nothing sent upstream)."""
+400 (JSON, one log line, never a traceback, nothing sent upstream), and a body that does is forwarded
+decoded, without the ``Content-Encoding`` that no longer describes it."""
 
 from __future__ import annotations
 
+import gzip
 import logging
+import zlib
 
 import orjson
 import pytest
@@ -46,5 +49,21 @@ async def test_a_body_that_does_not_decode_is_a_json_400_without_a_traceback(
             assert router.proxy.inflight == 0 and len(router.proxy.ids) == 0
             backend = router.state.backends[0]
             assert (backend.waiting, backend.running, backend.healthy) == (0, 0, True)
+        finally:
+            await router.stop()
+
+
+@pytest.mark.parametrize(("encoding", "encode"), [("gzip", gzip.compress), ("deflate", zlib.compress)])
+async def test_a_decoded_body_goes_upstream_without_its_content_encoding(
+    tokenizer: Tokenizer, encoding: str, encode: object
+) -> None:
+    async with recording_upstream() as up:
+        router = await start_router(tokenizer, up.url)
+        try:
+            raw = await raw_exchange(port_of(router), encoded_post(encode(BODY), encoding))  # type: ignore[operator]
+            assert final_answer(raw)[0] == 200, raw
+            (sent,) = posts(up)
+            assert sent.body == BODY  # what the router read and validated
+            assert sent.values("content-encoding") == []
         finally:
             await router.stop()

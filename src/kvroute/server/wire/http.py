@@ -84,13 +84,20 @@ HOP_BY_HOP = frozenset(
 7.6.1, plus ``Expect``, which the router answers itself, and ``HTTP2-Settings``); so are the
 headers a ``Connection`` header names."""
 
-_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "accept-encoding", REQUEST_ID_HEADER}
+_NOT_FORWARDED = HOP_BY_HOP | {
+    "host",
+    "content-length",
+    "accept-encoding",
+    "content-encoding",  # the body goes upstream as read: decoded (read_body)
+    REQUEST_ID_HEADER,
+}
 
 
 def forward_headers(request: web.Request) -> dict[str, str]:
     """The client's headers to send upstream, keyed by lower-case name: hop-by-hop ones dropped
     (:data:`HOP_BY_HOP` and those ``Connection`` names), the client's ``x-request-id`` dropped (the
-    caller sets the router's), a JSON content type; repeated names joined into one comma-separated
+    caller sets the router's), ``Content-Encoding`` dropped (the body forwarded is the one
+    :func:`read_body` read, decoded), a JSON content type; repeated names joined into one comma-separated
     value. Lower-case keys let the caller's own ``x-request-id`` (and a tracer's ``traceparent``)
     replace the client's whatever case the client used: one of each reaches the engine."""
     hdrs = request.headers

@@ -20,7 +20,7 @@ from kvroute.server.app import RouterServer
 from kvroute.server.config import BackendSpec, RouterConfig
 from kvroute.tokenizer import Tokenizer
 
-from .rawupstream import RawRequest, RawUpstream, Step, ok
+from .rawupstream import CLOSE, RawRequest, RawUpstream, Step, ok
 
 COST = costmod.get_profile(costmod.DEFAULT_PROFILE).cost
 MODELS = b'{"object":"list","data":[{"id":"emu","object":"model"}]}'
@@ -308,6 +308,45 @@ async def test_a_101_from_the_engine_is_a_clean_502_and_the_backend_stays(tokeni
             status, interim, data = final_answer(raw)
             assert (status, interim) == (502, [])
             assert orjson.loads(data)["error"]["type"] == "upstream_error"
+            assert router.state.backends[0].healthy
+        finally:
+            await router.stop()
+
+
+def sse_events(stream: bytes) -> list[str]:
+    """The data of each event a Server-Sent Events client dispatches from ``stream`` (lines end in
+    LF here; an event ends at a blank line; its ``data:`` lines joined by LF)."""
+    events, data = [], []
+    for line in stream.decode().split("\n"):
+        if not line:
+            if data:
+                events.append("\n".join(data))
+            data = []
+        elif line.startswith("data:"):
+            data.append(line[5:].removeprefix(" "))
+    return events
+
+
+@pytest.mark.parametrize(
+    "cut", [b"", b'data: {"id":"cmpl-cut","choices":[{"te', b'data: {"id":"cmpl-cut"}\n']
+)
+async def test_a_stream_broken_inside_an_event_ends_with_an_error_event_of_its_own(
+    tokenizer: Tokenizer, cut: bytes
+) -> None:
+    """An engine's stream that breaks off after a whole event and part of the next (cut inside a
+    line, or after a line but before the blank one): the router's error event used to be glued to
+    the unfinished one (``...{"tedata: {"error":...}``), so the client's SSE parser never saw it."""
+    sent = b'data: {"id":"cmpl-cut","choices":[{"text":"a"}]}\n\n' + cut
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    async with recording_upstream([head + b"%x\r\n%s\r\n" % (len(sent), sent), 0.05, CLOSE]) as up:
+        router = await start_router(tokenizer, up.url)
+        try:
+            body = {"model": "emu", "prompt": "hello", "max_tokens": 4, "stream": True}
+            status, _, data = final_answer(await raw_exchange(port_of(router), post(body)))
+            assert status == 200 and data.startswith(sent), data
+            *_, error, done = sse_events(data)
+            assert orjson.loads(error)["error"]["type"] == "upstream_error", data
+            assert done == "[DONE]"
             assert router.state.backends[0].healthy
         finally:
             await router.stop()

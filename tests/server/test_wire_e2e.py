@@ -455,3 +455,32 @@ async def test_pd_router_never_relays_a_101(tokenizer: Tokenizer, leg: str) -> N
                 assert completion_ids(data) == {b"cmpl-pd101"}, data
         finally:
             await router.stop()
+
+
+@pytest.mark.parametrize("prefill", ["answers", "fails"])
+async def test_pd_router_ends_a_decode_stream_broken_off_with_an_error_event(
+    tokenizer: Tokenizer, prefill: str
+) -> None:
+    """D's stream breaks off inside its second event: the client's stream used to end cleanly (a
+    truncated answer that looked whole, no [DONE]); now it ends with the router's SSE error event,
+    an event of its own, then ``[DONE]`` (P answering: events are relayed whole, rewritten; P
+    failing: D's bytes as they come)."""
+    sent = b'data: {"id":"cmpl-cut","choices":[{"text":"a"}]}\n\ndata: {"id":"cmpl-cut","cho'
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    broken = [head + b"%x\r\n%s\r\n" % (len(sent), sent), 0.05, CLOSE]
+    p_steps = [P_ANSWER] if prefill == "answers" else [CLOSE]
+    async with (
+        RawUpstream(engine_script(lambda rid: p_steps)) as p,
+        RawUpstream(engine_script(lambda rid: broken)) as d,
+    ):
+        router, port = await pd_router(tokenizer, p.url, d.url)
+        try:
+            body = {**PD_BODY, "stream": True}
+            status, _, data = final_answer(await raw_exchange(port, post(body, "X-Request-Id: pdcut")))
+            assert status == 200, data
+            first, *_, error, done = sse_events(data)
+            assert orjson.loads(first)["choices"] == [{"text": "a"}]
+            assert orjson.loads(error)["error"]["type"] == "upstream_error", data
+            assert done == "[DONE]"
+        finally:
+            await router.stop()

@@ -20,7 +20,7 @@ from kvroute.server.app import RouterServer
 from kvroute.server.config import BackendSpec, RouterConfig
 from kvroute.tokenizer import Tokenizer
 
-from .rawupstream import RawRequest, RawUpstream, Step, ok
+from .rawupstream import CLOSE, RawRequest, RawUpstream, Step, ok
 
 COST = costmod.get_profile(costmod.DEFAULT_PROFILE).cost
 MODELS = b'{"object":"list","data":[{"id":"emu","object":"model"}]}'
@@ -313,6 +313,45 @@ async def test_a_101_from_the_engine_is_a_clean_502_and_the_backend_stays(tokeni
             await router.stop()
 
 
+def sse_events(stream: bytes) -> list[str]:
+    """The data of each event a Server-Sent Events client dispatches from ``stream`` (lines end in
+    LF here; an event ends at a blank line; its ``data:`` lines joined by LF)."""
+    events, data = [], []
+    for line in stream.decode().split("\n"):
+        if not line:
+            if data:
+                events.append("\n".join(data))
+            data = []
+        elif line.startswith("data:"):
+            data.append(line[5:].removeprefix(" "))
+    return events
+
+
+@pytest.mark.parametrize(
+    "cut", [b"", b'data: {"id":"cmpl-cut","choices":[{"te', b'data: {"id":"cmpl-cut"}\n']
+)
+async def test_a_stream_broken_inside_an_event_ends_with_an_error_event_of_its_own(
+    tokenizer: Tokenizer, cut: bytes
+) -> None:
+    """An engine's stream that breaks off after a whole event and part of the next (cut inside a
+    line, or after a line but before the blank one): the router's error event used to be glued to
+    the unfinished one (``...{"tedata: {"error":...}``), so the client's SSE parser never saw it."""
+    sent = b'data: {"id":"cmpl-cut","choices":[{"text":"a"}]}\n\n' + cut
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    async with recording_upstream([head + b"%x\r\n%s\r\n" % (len(sent), sent), 0.05, CLOSE]) as up:
+        router = await start_router(tokenizer, up.url)
+        try:
+            body = {"model": "emu", "prompt": "hello", "max_tokens": 4, "stream": True}
+            status, _, data = final_answer(await raw_exchange(port_of(router), post(body)))
+            assert status == 200 and data.startswith(sent), data
+            *_, error, done = sse_events(data)
+            assert orjson.loads(error)["error"]["type"] == "upstream_error", data
+            assert done == "[DONE]"
+            assert router.state.backends[0].healthy
+        finally:
+            await router.stop()
+
+
 async def test_an_unknown_expectation_is_a_json_417_and_never_reaches_the_engine(
     tokenizer: Tokenizer,
 ) -> None:
@@ -414,5 +453,34 @@ async def test_pd_router_never_relays_a_101(tokenizer: Tokenizer, leg: str) -> N
                 assert status == 502 and "error" in orjson.loads(data), raw[:300]
             else:  # P failed: D alone answered
                 assert completion_ids(data) == {b"cmpl-pd101"}, data
+        finally:
+            await router.stop()
+
+
+@pytest.mark.parametrize("prefill", ["answers", "fails"])
+async def test_pd_router_ends_a_decode_stream_broken_off_with_an_error_event(
+    tokenizer: Tokenizer, prefill: str
+) -> None:
+    """D's stream breaks off inside its second event: the client's stream used to end cleanly (a
+    truncated answer that looked whole, no [DONE]); now it ends with the router's SSE error event,
+    an event of its own, then ``[DONE]`` (P answering: events are relayed whole, rewritten; P
+    failing: D's bytes as they come)."""
+    sent = b'data: {"id":"cmpl-cut","choices":[{"text":"a"}]}\n\ndata: {"id":"cmpl-cut","cho'
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    broken = [head + b"%x\r\n%s\r\n" % (len(sent), sent), 0.05, CLOSE]
+    p_steps = [P_ANSWER] if prefill == "answers" else [CLOSE]
+    async with (
+        RawUpstream(engine_script(lambda rid: p_steps)) as p,
+        RawUpstream(engine_script(lambda rid: broken)) as d,
+    ):
+        router, port = await pd_router(tokenizer, p.url, d.url)
+        try:
+            body = {**PD_BODY, "stream": True}
+            status, _, data = final_answer(await raw_exchange(port, post(body, "X-Request-Id: pdcut")))
+            assert status == 200, data
+            first, *_, error, done = sse_events(data)
+            assert orjson.loads(first)["choices"] == [{"text": "a"}]
+            assert orjson.loads(error)["error"]["type"] == "upstream_error", data
+            assert done == "[DONE]"
         finally:
             await router.stop()

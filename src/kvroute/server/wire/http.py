@@ -20,6 +20,7 @@ __all__ = [
     "error_response",
     "extract_cached_tokens",
     "forward_headers",
+    "payload_error",
     "read_body",
     "usage_count",
 ]
@@ -37,18 +38,31 @@ def error_response(err: ApiError, retry_after: int | None = None) -> web.Respons
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
-    """The whole request body; ApiError(413) once it is over ``limit`` bytes (by its
-    Content-Length, or while it is read)."""
+    """The whole request body, decoded (aiohttp's server undoes a ``gzip`` or ``deflate``
+    ``Content-Encoding``; ``limit`` counts decoded bytes); ApiError(413) once it is over ``limit``
+    bytes (by its Content-Length, or while it is read); ApiError(400) with ``close`` set when it does
+    not decode (:func:`payload_error`)."""
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(413, f"request body is larger than {limit} bytes")
     chunks = []
     size = 0
-    async for chunk in request.content.iter_any():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body is larger than {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.content.iter_any():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body is larger than {limit} bytes")
+            chunks.append(chunk)
+    except web.RequestPayloadError as exc:
+        raise payload_error(exc) from None
     return b"".join(chunks)
+
+
+def payload_error(exc: web.RequestPayloadError) -> ApiError:
+    """The 400 of a request body aiohttp's server could not read (a ``Content-Encoding`` that does not
+    decode, ...); ``close`` set: the rest of the body cannot be read either."""
+    cause = exc.__cause__
+    detail = getattr(cause, "message", None) or str(exc)
+    return ApiError(400, f"the request body could not be read: {' '.join(str(detail).split())}", close=True)
 
 
 HOP_BY_HOP = frozenset(
@@ -70,13 +84,20 @@ HOP_BY_HOP = frozenset(
 7.6.1, plus ``Expect``, which the router answers itself, and ``HTTP2-Settings``); so are the
 headers a ``Connection`` header names."""
 
-_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "accept-encoding", REQUEST_ID_HEADER}
+_NOT_FORWARDED = HOP_BY_HOP | {
+    "host",
+    "content-length",
+    "accept-encoding",
+    "content-encoding",  # the body goes upstream as read: decoded (read_body)
+    REQUEST_ID_HEADER,
+}
 
 
 def forward_headers(request: web.Request) -> dict[str, str]:
     """The client's headers to send upstream, keyed by lower-case name: hop-by-hop ones dropped
     (:data:`HOP_BY_HOP` and those ``Connection`` names), the client's ``x-request-id`` dropped (the
-    caller sets the router's), a JSON content type; repeated names joined into one comma-separated
+    caller sets the router's), ``Content-Encoding`` dropped (the body forwarded is the one
+    :func:`read_body` read, decoded), a JSON content type; repeated names joined into one comma-separated
     value. Lower-case keys let the caller's own ``x-request-id`` (and a tracer's ``traceparent``)
     replace the client's whatever case the client used: one of each reaches the engine."""
     hdrs = request.headers

@@ -42,7 +42,7 @@ from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
 from kvroute.logtext import escape, redact
-from kvroute.server.wire.http import EXPECT_ONLY
+from kvroute.server.wire.http import EXPECT_ONLY, payload_error
 from kvroute.server.wire.validate import ApiError, error_body
 
 __all__ = ["JsonErrorRunner", "RateLimitedLog", "http_error", "json_errors"]
@@ -173,6 +173,11 @@ async def _answer(limiter: RateLimitedLog, request: web.Request, handler: _Handl
         return http_error(exc.status, _message(exc, request), headers)
     except ApiError as err:
         return web.Response(status=err.status, body=error_body(err), content_type=_JSON)
+    except web.RequestPayloadError as exc:  # a body that does not decode, read by a route itself
+        bad = payload_error(exc)
+        resp = web.Response(status=bad.status, body=error_body(bad), content_type=_JSON)
+        resp.force_close()
+        return resp
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception as exc:
@@ -230,6 +235,10 @@ class _JsonRequestHandler(RequestHandler):
             msg = fmt
         if isinstance(exc, ConnectionError):  # a broken connection (the client left): one debug line
             self.limiter.emit("gone", f"aiohttp: {msg}: {exc}", logging.DEBUG)
+            return
+        if isinstance(exc, web.RequestPayloadError):  # the client's body, drained after its 400
+            detail = payload_error(exc).message
+            self.limiter.emit("http:payload", f"bad request body from a client: {detail}: closed")
             return
         self.limiter.emit(f"aiohttp:{fmt}", f"aiohttp: {msg}", logging.ERROR, exc)
 

@@ -1,7 +1,8 @@
 """The P/D router's relay of D's answer: unchanged but for ``usage.prompt_tokens_details.cached_tokens``,
 which becomes P's when the request was disaggregated (vLLM's D reports only its local hit; the
 proxies report P's). Streamed answers are rewritten event by event (only an SSE event carrying a
-``usage`` object changes); a stream that breaks after its first byte just ends. Bytes in, bytes out.
+``usage`` object changes); a stream that breaks after its first byte ends with the same SSE error
+event as the router's (:func:`kvroute.server.wire.relay.error_event`). Bytes in, bytes out.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import orjson
 from aiohttp import web
 
 from kvroute.server.wire.limits import write_within
+from kvroute.server.wire.relay import error_event
 from kvroute.server.wire.transport import UpstreamBrokenError, UpstreamResponse
+from kvroute.server.wire.validate import ApiError
 
 __all__ = ["LegFailed", "relay_stream", "relay_whole", "rewrite_event", "set_cached"]
 
@@ -86,19 +89,25 @@ async def relay_stream(
     )
     await out.prepare(request)
     buf = b""
+    tail = b""  # the last bytes sent: does an event stand unfinished?
     try:
         async for chunk in resp.iter_chunks():
             if p_cached is None:
+                tail = chunk
                 await write_within(out, request, chunk, write_timeout_s)
                 continue
             buf += chunk
             *events, buf = buf.split(b"\n\n")
             if events:
                 data = b"".join(rewrite_event(e, p_cached) + b"\n\n" for e in events)
+                tail = data
                 await write_within(out, request, data, write_timeout_s)
     except UpstreamBrokenError as exc:  # after the first byte: nothing to retry, end the stream
         log.warning("decode stream broke off: %s", exc)
         resp.abort()
+        err = ApiError(502, f"backend stream broke off: {exc}", etype="upstream_error")
+        with contextlib.suppress(ConnectionError):  # the client left too
+            await write_within(out, request, error_event(err, tail), write_timeout_s)
         return out
     if buf:
         await write_within(out, request, buf, write_timeout_s)

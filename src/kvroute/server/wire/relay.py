@@ -12,7 +12,8 @@ Rules (the pipeline's module docstring has the whole request's):
 - a stream is passed through chunk by chunk, as the upstream's reads deliver them (what arrived
   together goes out together; the last chunk and the end of the stream go out in one write when
   the upstream is known to have ended, ``UpstreamResponse.ended``); one that breaks off ends with
-  an SSE error event (``data: {"error": ...}`` then ``data: [DONE]``); a client that goes away
+  an SSE error event (``data: {"error": ...}`` then ``data: [DONE]``, after a blank line that ends
+  the event the break cut short, if any: :func:`error_event`); a client that goes away
   ends it (at any chunk or at the final end of the stream: a ``cancelled`` outcome, no traceback);
 - an upstream status that is not a final answer (``101 Switching Protocols``; interim 1xx never
   reach the relay) or not an HTTP status at all becomes a 502 JSON error: the client never gets a
@@ -48,6 +49,7 @@ __all__ = [
     "UNCOUNTED",
     "UPSTREAM_ERROR",
     "Relayed",
+    "error_event",
     "relay",
     "shutting_down",
     "timed_out",
@@ -209,19 +211,19 @@ async def _stream(
         status = out.status if out.prepared else None
         return Relayed(outcome, out, status, end is not None, end, t_first)
 
+    tail = first  # the last bytes sent (or being sent) to the client
     try:
         await _write(out, request, first, prepare=True, last=up.ended, timeout_s=timeout_s)
         if after_first is not None:
             asyncio.get_running_loop().call_soon(after_first)
-        tail = first
         try:
             async for chunk in chunks:
-                await _write(out, request, chunk, last=up.ended, timeout_s=timeout_s)
                 tail = (tail + chunk)[-TAIL_BYTES:] if len(chunk) < TAIL_BYTES else chunk
+                await _write(out, request, chunk, last=up.ended, timeout_s=timeout_s)
         except UpstreamBrokenError as exc:
             err = ApiError(502, f"backend stream broke off: {exc}", etype="upstream_error")
             with contextlib.suppress(_ClientGone, ConnectionError, RuntimeError):  # counted once
-                await _write(out, request, b"data: " + error_body(err) + b"\n\ndata: [DONE]\n\n")
+                await _write(out, request, error_event(err, tail))
                 await out.write_eof()
             return ended(UPSTREAM_ERROR)
         await _eof(out)  # a client that leaves at the very end is gone like one that leaves mid-way
@@ -235,10 +237,18 @@ async def _stream(
             task.uncancel()
         err = shutting_down("stream not finished in time")
         with contextlib.suppress(_ClientGone, ConnectionError, RuntimeError):
-            await _write(out, request, b"data: " + error_body(err) + b"\n\ndata: [DONE]\n\n")
+            await _write(out, request, error_event(err, tail))
             await out.write_eof()
         return ended(DRAINED)
     return ended(OK, tail)
+
+
+def error_event(err: ApiError, tail: bytes) -> bytes:
+    """``err`` as the SSE event that ends a stream, then ``data: [DONE]``, each an event of its own:
+    after a blank line when the stream's last bytes (``tail``) left an event unfinished (the
+    upstream's reads end anywhere, inside a line too), else the error would join that event."""
+    done = not tail or tail.endswith((b"\n\n", b"\r\r", b"\r\n\r\n"))
+    return (b"" if done else b"\n\n") + b"data: " + error_body(err) + b"\n\ndata: [DONE]\n\n"
 
 
 async def _eof(out: web.StreamResponse) -> None:

@@ -18,6 +18,10 @@ from kvroute.cli import main
         (["serve", "--backend", "http://a:1", "--port", "x"], "invalid port 'x'"),
         (["serve"], "at least one backend is needed"),
         (["serve", "--backend", "notaurl"], "must look like http://host:port"),
+        (["serve", "--backend", "http://a:99999"], "must look like http://host:port"),
+        (["serve", "--backend", "http://a:0"], "must look like http://host:port"),
+        (["serve", "--backend", "http://a:x"], "must look like http://host:port"),
+        (["serve", "--backend", "http://a b:1"], "must look like http://host:port"),
         (
             ["serve", "--backend", "http://a:1", "--drain-timeout", "-1"],
             "seconds must be a finite number >= 0",

@@ -8,6 +8,7 @@ import logging
 import os
 from pathlib import Path
 
+import orjson
 import pytest
 
 from kvroute.commands.settings import backends_from_text
@@ -17,10 +18,10 @@ from kvroute.features.hotspot import HotspotConfig
 from kvroute.features.loadadapt import LoadAdaptiveConfig
 from kvroute.features.settings import FeatureConfig
 from kvroute.server.app import RouterServer
-from kvroute.server.config import BackendSpec, RouterConfig
+from kvroute.server.config import BackendSpec, RouterConfig, parse_backend_url
 from kvroute.server.observe.exporter import render_metrics
 from kvroute.server.state.backends import ACTIVE, DRAINING, REMOVED, Lease
-from kvroute.server.sync.admin import delete_backend, spec_from_body
+from kvroute.server.sync.admin import add_backend, delete_backend, spec_from_body
 from kvroute.server.sync.discovery import Discovery, DnsSource, FileSource, make_source
 from kvroute.server.sync.fleet import STATIC
 from kvroute.server.wire.validate import ApiError
@@ -208,12 +209,43 @@ def test_removed_backends_leave_the_metrics(tokenizer: Tokenizer) -> None:
         (b'{"url": "http://a:1", "kv_events": "tcp://a"}', "kv_events"),
         (b'{"url": "http://a:1", "tags": "spot"}', "tags"),
         (b'{"url": "http://a:1", "weight": 2}', "weight"),
+        # control characters, spaces, an empty query, port 0 or past 65535, a quote in the host
+        (b'{"url": "http://a:1\\r"}', "url"),
+        (b'{"url": "http://a:1\\n"}', "url"),
+        (b'{"url": "http://a:1\\t"}', "url"),
+        (b'{"url": "http://a :1"}', "url"),
+        (b'{"url": "http://a:1?"}', "url"),
+        (b'{"url": "http://a:1#"}', "url"),
+        (b'{"url": "http://a:0"}', "url"),
+        (b'{"url": "http://a:65536"}', "url"),
+        (b'{"url": "http://a\\"b:1"}', "url"),
+        (b'{"url": "http://\\u00e9:1"}', "url"),
+        (b'{"url": "http://a:1", "kv_events": "tcp://a:5557\\r"}', "kv_events"),
     ],
 )
 def test_admin_body_errors_name_the_field(body: bytes, field: str | None) -> None:
     with pytest.raises(ApiError) as err:
         spec_from_body(body)
     assert err.value.status == 400 and err.value.param == field
+
+
+@pytest.mark.parametrize(
+    ("url", "canonical"),
+    [
+        ("http://a:1/", "http://a:1"),
+        ("HTTP://A:1", "http://a:1"),
+        ("http://a:0001", "http://a:1"),
+        ("https://[FD00::1]:8000", "https://[fd00::1]:8000"),
+    ],
+)
+def test_admin_urls_are_compared_in_one_form(tokenizer: Tokenizer, url: str, canonical: str) -> None:
+    """One engine has one URL, however a client writes it: the 409 for a listed engine cannot be
+    dodged by case, a leading zero or a trailing slash (nor, above, by a trailing control character)."""
+    assert spec_from_body(orjson.dumps({"url": url})).url == canonical
+    server = make_server(tokenizer, BackendSpec(parse_backend_url(url)))
+    with pytest.raises(ApiError) as err:
+        add_backend(server.fleet, spec_from_body(orjson.dumps({"url": canonical})))
+    assert err.value.status == 409
 
 
 def test_admin_body_ok() -> None:

@@ -350,15 +350,27 @@ class RouterConfig:
 
 
 def parse_backend_url(url: str) -> str:
-    """Normalise a backend base URL (strip trailing ``/`` and a trailing ``/v1``); raise UserError if it
-    is not ``http(s)://host:port``."""
+    """Normalise a backend base URL (strip trailing ``/`` and a trailing ``/v1``; scheme and host in
+    lower case, so that one engine has one URL whichever way it was written); raise UserError if it
+    is not ``http(s)://host[:port]`` in printable ASCII without spaces, with a port in 1..65535."""
     u = url.strip().rstrip("/")
     if u.endswith("/v1"):
         u = u[: -len("/v1")]
+    bad = UserError(f"backend URL {url!r} must look like http://host:port")
+    if not (u.isascii() and u.isprintable()) or any(c.isspace() for c in u):
+        raise bad
     parsed = urlparse(u)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise UserError(f"backend URL {url!r} must look like http://host:port")
-    return u
+    try:
+        port = parsed.port
+    except ValueError:
+        raise bad from None
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or port == 0:
+        raise bad
+    if parsed.username is None and parsed.password is None:
+        host = parsed.hostname
+        netloc = f"[{host}]" if ":" in host else host
+        parsed = parsed._replace(netloc=netloc if port is None else f"{netloc}:{port}")
+    return parsed.geturl()
 
 
 def parse_peer_endpoint(text: str, dns: bool = True) -> tuple[str, str, int]:

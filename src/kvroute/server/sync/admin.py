@@ -29,6 +29,7 @@ null), ``models`` (what it serves, declared or read from its /v1/models), ``wait
 
 from __future__ import annotations
 
+import re
 from typing import Any
 from urllib.parse import urlparse
 
@@ -84,20 +85,36 @@ def backend_json(fleet: Fleet, b: BackendState) -> dict[str, Any]:
     }
 
 
-def _host_port(value: object, field: str, schemes: tuple[str, ...], path_ok: bool = False) -> str:
-    """``value`` if it is ``SCHEME://host:port`` (nothing after the port); else a 400 naming ``field``."""
+def _host_port(value: object, field: str, schemes: tuple[str, ...]) -> str:
+    """``value`` as ``scheme://host:port`` in lower case (the form the 409 check compares) if it is
+    ``SCHEME://host:port`` (nothing after the port but one ``/``; printable ASCII without spaces; a
+    host name or address; a port in 1..65535); else a 400 naming ``field``."""
     want = f"{schemes[0]}://host:port"
     if not isinstance(value, str) or not value:
         raise ApiError(400, f"'{field}' must be a string like {want}", field)
+    if not (value.isascii() and value.isprintable()) or any(c.isspace() for c in value):
+        raise ApiError(400, f"'{field}' must be printable ASCII without spaces, like {want}", field)
     try:
         u = urlparse(value)
         port = u.port
     except ValueError:
         raise ApiError(400, f"'{field}' must look like {want}", field) from None
-    rest = u.path not in ("", "/") or u.query or u.fragment or u.params
-    if u.scheme not in schemes or not u.hostname or port is None or u.username or (rest and not path_ok):
+    rest = u.path not in ("", "/") or "?" in value or "#" in value or u.params
+    host = u.hostname or ""
+    if (
+        u.scheme not in schemes
+        or not _HOST.fullmatch(host)
+        or port is None
+        or not 0 < port < 65536
+        or u.username is not None
+        or rest
+    ):
         raise ApiError(400, f"'{field}' must look like {want}, without a path", field)
-    return value.rstrip("/")
+    return f"{u.scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+_HOST = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?|[0-9a-f:.]*:[0-9a-f:.]*")
+"""A host name or IPv4 address (letters, digits, dots, hyphens), or an IPv6 address (brackets removed)."""
 
 
 def spec_from_body(raw: bytes) -> BackendSpec:

@@ -231,7 +231,20 @@ async def test_the_pd_relay_never_relays_a_101(transport: H1Transport) -> None:
     async with RawUpstream(first_only([upgrade, 0.2])) as up:
         resp = await transport.send(up.url, "POST", "/v1/completions", b"{}", {REQUEST_ID: "hostile"})
         with pytest.raises(LegFailed, match="101"):
-            await relay_whole(resp, None, {})
+            await relay_whole(resp, None, {}, 1 << 20)
+
+
+async def test_the_pd_relay_stops_reading_an_answer_past_its_limit(transport: H1Transport) -> None:
+    """D's whole answer is read up to ``max_response_bytes`` only: past it the leg fails at once
+    (another D may answer), without waiting for the rest of a body that never ends."""
+    from kvroute.server.wire.pdrelay import LegFailed, relay_whole
+
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n"
+    async with RawUpstream(first_only([head + b"x" * 5000, 30.0])) as up:
+        resp = await transport.send(up.url, "POST", "/v1/completions", b"{}", {REQUEST_ID: "hostile"})
+        async with asyncio.timeout(10):
+            with pytest.raises(LegFailed, match="larger than 4096 bytes"):
+                await relay_whole(resp, None, {}, 4096)
 
 
 async def test_pooled_connections_above_descriptor_1023_are_reused(transport: H1Transport) -> None:

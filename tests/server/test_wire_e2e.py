@@ -484,3 +484,50 @@ async def test_pd_router_ends_a_decode_stream_broken_off_with_an_error_event(
             assert done == "[DONE]"
         finally:
             await router.stop()
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+async def test_an_answer_larger_than_max_response_bytes_is_a_502_and_never_read_to_its_end(
+    tokenizer: Tokenizer, framing: str
+) -> None:
+    """An engine whose non-streamed answer has no end in sight (announced by its Content-Length, or
+    chunks that keep coming): the router stops reading at ``max_response_bytes``, answers its client
+    a JSON 502 at once, drops that connection, and the next client gets its own answer."""
+    big = b"x" * 3000
+    if framing == "chunked":
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        flood: list[Step] = [head + b"%x\r\n%s\r\n" % (len(big), big) * 3, 30.0]
+    else:
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n"
+        flood = [head + big * 3, 30.0]
+    posts: list[RawRequest] = []
+
+    def script(req: RawRequest) -> Sequence[Step]:
+        if req.head.startswith(b"GET /v1/models"):
+            return [ok(MODELS)]
+        if req.head.startswith(b"GET"):
+            return [ok(b"", "text/plain")]
+        posts.append(req)
+        if len(posts) == 1:
+            return flood
+        rid = (req.values("x-request-id") or ["?"])[0]
+        return [ok(b'{"id":"cmpl-%s","choices":[{"text":"x"}]}' % rid.encode())]
+
+    async with RawUpstream(script) as up:
+        cfg = RouterConfig(
+            backends=(BackendSpec(up.url),), port=0, health_interval_s=0.2, max_response_bytes=4096
+        )
+        router = RouterServer(cfg, tokenizer=tokenizer)
+        await router.start()
+        try:
+            assert await eventually(lambda: router.state.backends[0].healthy)
+            body = {"model": "emu", "prompt": "hello", "max_tokens": 4}
+            t0 = asyncio.get_running_loop().time()
+            status, _, data = final_answer(await raw_exchange(port_of(router), post(body)))
+            assert status == 502 and b"larger than 4096 bytes" in data, data
+            assert orjson.loads(data)["error"]["type"] == "upstream_error"
+            assert asyncio.get_running_loop().time() - t0 < 10  # it did not wait for the rest
+            await ordinary(router, "after")
+            assert posts[1].conn != posts[0].conn  # the flooded connection was not reused
+        finally:
+            await router.stop()

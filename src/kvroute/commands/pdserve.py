@@ -132,6 +132,7 @@ def pd_config(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         limits=client_limits(base),
         max_prompt_tokens=base.max_prompt_tokens,
         upstream_keepalive_s=base.upstream_keepalive_s,
+        max_response_bytes=base.max_response_bytes,
     )
     try:
         cfg.check()

@@ -25,6 +25,7 @@ _SIMPLE = {
     "tokenize": "tokenize",
     "block_size": "block_size",
     "max_body_bytes": "max_body_bytes",
+    "max_response_bytes": "max_response_bytes",
     "scrape_interval": "scrape_interval_s",
     "scrape_idle_interval": "scrape_idle_interval_s",
     "health_interval": "health_interval_s",
@@ -150,6 +151,11 @@ def add_router_arguments(p: argparse.ArgumentParser, backends: bool = True) -> N
     )
     p.add_argument("--block-size", type=int, help="KV block size in tokens (default 16)")
     p.add_argument("--max-body-bytes", type=int, help="largest request body (default 32 MiB)")
+    p.add_argument(
+        "--max-response-bytes",
+        type=int,
+        help="largest engine answer read whole, not streamed (default 256 MiB); beyond: a 502",
+    )
     p.add_argument(
         "--scrape-interval",
         type=float,

@@ -1,5 +1,6 @@
 """Router configuration: frozen dataclasses. Units: seconds for every ``*_s`` field, bytes for
-``max_body_bytes``, tokens for ``block_size``. Nothing here opens sockets or files.
+``max_body_bytes`` and ``max_response_bytes``, tokens for ``block_size``. Nothing here opens sockets
+or files.
 
 The command-line flags and the YAML file that build it are read by :mod:`kvroute.commands.settings`
 (``load_config_file``). YAML layout (every key optional except ``backends``)::
@@ -17,6 +18,7 @@ The command-line flags and the YAML file that build it are read by :mod:`kvroute
     tokenize: exact                           # or defer: see RouterConfig.tokenize
     block_size: 16
     max_body_bytes: 33554432
+    max_response_bytes: 268435456             # an engine's answer read whole (not a stream); beyond: a 502
     max_connections: 1024                     # client connections at once; beyond: a JSON 503
     header_timeout_s: 10.0                    # a request's head, from its first byte; then 408, closed
     body_timeout_s: 60.0                      # its whole body, from the end of the head; then 408, closed
@@ -169,6 +171,10 @@ class RouterConfig:
       request: the engine's request is aborted (its upstream connection is closed), the lease is
       released and the client's connection is closed; the last writes of a whole (buffered)
       answer get as long, then the connection is closed.
+    - ``max_response_bytes``: the largest answer of an engine that the router reads whole (a
+      non-streamed completion, an error body; never a stream, which is relayed as it comes): one
+      that grows past it is not read further, its connection is aborted and the client gets a JSON
+      502, so an engine cannot make the router hold an unbounded body in memory.
     - ``upstream_keepalive_s``: a pooled keep-alive connection to an engine that has carried no
       request for this many seconds is closed (checked every 50 ms; an engine without an idle timeout
       of its own would otherwise keep it open for ever).
@@ -196,6 +202,7 @@ class RouterConfig:
     chat_template: str | None = None
     block_size: int = 16
     max_body_bytes: int = 32 * 1024 * 1024
+    max_response_bytes: int = 256 * 1024 * 1024
     max_connections: int = 1024
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
@@ -287,6 +294,7 @@ class RouterConfig:
         checks = [
             ("block_size", self.block_size >= 1),
             ("max_body_bytes", self.max_body_bytes >= 1024),
+            ("max_response_bytes", self.max_response_bytes >= 1024),
             ("scrape_interval_s", self.scrape_interval_s > 0),
             ("scrape_idle_interval_s", self.scrape_idle_interval_s > 0),
             ("health_interval_s", self.health_interval_s > 0),

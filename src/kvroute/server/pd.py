@@ -85,6 +85,7 @@ from kvroute.server.wire.transport import (
     UpstreamConnectError,
     UpstreamResponse,
     UpstreamTimeoutError,
+    read_capped,
 )
 from kvroute.server.wire.validate import ApiError, ParsedRequest, error_body, parse_request, too_long
 from kvroute.tokenizer import Tokenizer
@@ -114,7 +115,9 @@ class PDConfig:
     (``{host}`` template; None: approximate view). ``limits``: the client connections' cap and
     timeouts, as in colocated mode (:mod:`kvroute.server.wire.limits`); ``max_prompt_tokens``: a
     longer prompt is a 400, checked before it is hashed; ``upstream_keepalive_s``: a pooled
-    connection to an instance idle for longer is closed (as ``RouterConfig.upstream_keepalive_s``)."""
+    connection to an instance idle for longer is closed (as ``RouterConfig.upstream_keepalive_s``);
+    ``max_response_bytes``: the largest answer of an instance read whole (P's, D's when not
+    streamed), as ``RouterConfig.max_response_bytes``: beyond it the leg fails."""
 
     prefill: tuple[PDBackend, ...]
     decode: tuple[PDBackend, ...]
@@ -126,6 +129,7 @@ class PDConfig:
     scrape_interval: float = 0.5
     connect_timeout_s: float = 5.0
     max_body_bytes: int = 32 * 1024 * 1024
+    max_response_bytes: int = 256 * 1024 * 1024
     discover: tuple[tuple[str | None, str], ...] = ()
     discover_interval_s: float = 5.0
     discover_kv_events: str | None = None
@@ -372,7 +376,11 @@ class PDServer:
                 resp = await self.transport.send(inst.backend.url, "GET", "/v1/models", timeout_s=5.0)
             except UpstreamConnectError:
                 continue
-            body = await resp.read()
+            try:
+                body = await read_capped(resp, self.config.max_response_bytes)
+            except UpstreamBrokenError:
+                resp.abort()
+                continue
             resp.release()
             if resp.status == 200:
                 return web.Response(body=body, content_type="application/json")
@@ -594,7 +602,7 @@ class PDServer:
                 resp = await self._send(inst.backend.url, path, raw, rid)
                 whole = False
                 try:
-                    data = await resp.read()
+                    data = await read_capped(resp, self.config.max_response_bytes)
                     whole = 200 <= resp.status < 500
                 finally:
                     if whole:
@@ -687,7 +695,7 @@ class PDServer:
                 inst.start(key)
                 headers["x-kvroute-retries"] = str(record["retries"])
                 if resp.status != 200 or not stream:
-                    return await relay_whole(resp, p_cached, headers)
+                    return await relay_whole(resp, p_cached, headers, self.config.max_response_bytes)
                 return await relay_stream(
                     request, resp, p_cached, headers, self.config.limits.write_timeout_s
                 )

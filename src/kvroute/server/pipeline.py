@@ -293,6 +293,7 @@ class Proxy:
                         after,
                         self._draining,
                         state.config.write_timeout_s,
+                        state.config.max_response_bytes,
                     )
                 finally:
                     self.release(lease)

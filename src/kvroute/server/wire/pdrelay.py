@@ -16,7 +16,7 @@ from aiohttp import web
 
 from kvroute.server.wire.limits import write_within
 from kvroute.server.wire.relay import error_event
-from kvroute.server.wire.transport import UpstreamBrokenError, UpstreamResponse
+from kvroute.server.wire.transport import UpstreamBrokenError, UpstreamResponse, read_capped
 from kvroute.server.wire.validate import ApiError
 
 __all__ = ["LegFailed", "relay_stream", "relay_whole", "rewrite_event", "set_cached"]
@@ -54,15 +54,19 @@ def rewrite_event(event: bytes, cached: int) -> bytes:
     return event
 
 
-async def relay_whole(resp: UpstreamResponse, p_cached: int | None, headers: dict[str, str]) -> web.Response:
-    """D's whole answer to the client; :class:`LegFailed` when it broke before it was read, or
-    its status is no final answer (a ``101``: never relayed)."""
+async def relay_whole(
+    resp: UpstreamResponse, p_cached: int | None, headers: dict[str, str], limit: int
+) -> web.Response:
+    """D's whole answer to the client; :class:`LegFailed` when it broke before it was read, grew
+    past ``limit`` bytes (its connection aborted), or its status is no final answer (a ``101``:
+    never relayed)."""
     if not 200 <= resp.status <= 599:
         resp.abort()
         raise LegFailed(f"HTTP {resp.status} is not a final answer")
     try:
-        data = await resp.read()
+        data = await read_capped(resp, limit)
     except UpstreamBrokenError as exc:
+        resp.abort()
         raise LegFailed(str(exc)) from None  # nothing sent to the client yet: another D
     resp.release()
     if resp.status == 200 and p_cached is not None:

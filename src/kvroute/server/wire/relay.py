@@ -37,7 +37,12 @@ from aiohttp import web
 
 from kvroute.server.wire.http import error_response
 from kvroute.server.wire.limits import write_within
-from kvroute.server.wire.transport import UpstreamBrokenError, UpstreamResponse, UpstreamStalledError
+from kvroute.server.wire.transport import (
+    UpstreamBrokenError,
+    UpstreamResponse,
+    UpstreamStalledError,
+    UpstreamTooLargeError,
+)
 from kvroute.server.wire.validate import ApiError, error_body
 
 __all__ = [
@@ -113,6 +118,7 @@ async def relay(
     after_first: Callable[[], None] | None,
     draining: Callable[[], bool],
     write_timeout_s: float | None = None,
+    max_response_bytes: int | None = None,
 ) -> Relayed:
     """Carry ``up`` to the client of ``request`` (module docstring). ``headers``: added to the
     answer; ``on_first_byte``: called when the first upstream byte arrives (before anything is
@@ -120,7 +126,9 @@ async def relay(
     loop turn) or the whole body was read (buffered); ``draining``: true while the router's
     shutdown ends the requests in flight; ``write_timeout_s``: a stream write the client does not
     take within it (seconds; None: no limit) ends the stream as a client that went away, its
-    connection aborted (:func:`kvroute.server.wire.limits.write_within`)."""
+    connection aborted (:func:`kvroute.server.wire.limits.write_within`); ``max_response_bytes``:
+    an answer read whole (not a stream) that grows past it is not read further, the client gets a
+    502 and the connection is aborted (None: no limit)."""
     done = False
     if not 200 <= up.status <= 599:
         up.abort()
@@ -146,9 +154,13 @@ async def relay(
         t_first = time.perf_counter()
         if not stream or up.status != 200:
             try:
-                relayed = await _buffered(up, first, chunks, headers, t_first)
+                relayed = await _buffered(up, first, chunks, headers, t_first, max_response_bytes)
             except asyncio.CancelledError:
                 return Relayed(UNCOUNTED, first_byte=t_first, cancelled=True)
+            except UpstreamTooLargeError as exc:  # not read to its end: the connection is aborted
+                resp = error_response(ApiError(502, f"backend {exc}", etype="upstream_error"))
+                resp.headers.update(headers)
+                return Relayed(UPSTREAM_ERROR, resp, 502, first_byte=t_first)
             done = True
             if after_first is not None:
                 after_first()
@@ -175,11 +187,22 @@ async def _buffered(
     chunks: AsyncIterator[bytes],
     headers: Mapping[str, str],
     t_first: float,
+    limit: int | None,
 ) -> Relayed:
+    """The whole answer read, then relayed in one response; :class:`UpstreamTooLargeError` once it
+    is over ``limit`` bytes (None: no limit)."""
     parts = [first]
+    size = len(first)
     try:
+        if limit is not None and size > limit:
+            raise UpstreamTooLargeError(f"answer is larger than {limit} bytes")
         async for chunk in chunks:
+            size += len(chunk)
+            if limit is not None and size > limit:
+                raise UpstreamTooLargeError(f"answer is larger than {limit} bytes")
             parts.append(chunk)
+    except UpstreamTooLargeError:
+        raise
     except UpstreamBrokenError as exc:
         resp = error_response(ApiError(502, f"backend response broke off: {exc}", etype="upstream_error"))
         resp.headers.update(headers)

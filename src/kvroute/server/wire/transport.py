@@ -29,6 +29,8 @@ __all__ = [
     "UpstreamResponse",
     "UpstreamStalledError",
     "UpstreamTimeoutError",
+    "UpstreamTooLargeError",
+    "read_capped",
 ]
 
 
@@ -54,6 +56,11 @@ class UpstreamStalledError(UpstreamBrokenError):
     """No body byte came within the read timeout; the connection was up all along."""
 
 
+class UpstreamTooLargeError(UpstreamBrokenError):
+    """A response the router reads whole is larger than its limit (``max_response_bytes``): it is
+    not read further, and its connection must be aborted, never reused."""
+
+
 class UpstreamResponse(Protocol):
     """A response whose body is read at most once, by ``read`` or ``iter_chunks``.
 
@@ -77,6 +84,20 @@ class UpstreamResponse(Protocol):
     def release(self) -> None: ...
 
     def abort(self) -> None: ...
+
+
+async def read_capped(resp: UpstreamResponse, limit: int) -> bytes:
+    """``resp``'s whole body, read chunk by chunk; :class:`UpstreamTooLargeError` as soon as it is
+    over ``limit`` bytes (the caller aborts ``resp``), so an engine cannot make the router hold an
+    unbounded answer in memory."""
+    parts = []
+    size = 0
+    async for chunk in resp.iter_chunks():
+        size += len(chunk)
+        if size > limit:
+            raise UpstreamTooLargeError(f"the answer is larger than {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 class Transport(Protocol):

@@ -176,16 +176,21 @@ async def test_expect_attack_with_a_long_stream_never_ejects_the_backend(
         await router.stop()
 
 
-def recording_upstream(final: Sequence[Step] | None = None) -> RawUpstream:
+def recording_upstream(
+    final: Sequence[Step] | None = None, posts: list[RawRequest] | None = None
+) -> RawUpstream:
     """A raw engine: ``/v1/models`` lists ``emu``; other GETs get an empty 200; a POST gets its own
-    completion (or ``final`` when given)."""
+    completion (or ``final`` when given). With ``posts``, every POST is appended there and only the
+    first one gets ``final``."""
 
     def script(req: RawRequest) -> Sequence[Step]:
         if req.head.startswith(b"GET /v1/models"):
             return [ok(MODELS)]
         if req.head.startswith(b"GET"):
             return [ok(b"", "text/plain")]
-        if final is not None:
+        if posts is not None:
+            posts.append(req)
+        if final is not None and (posts is None or len(posts) == 1):
             return final
         rid = (req.values("x-request-id") or ["?"])[0]
         return [ok(b'{"id":"cmpl-%s","choices":[{"text":"x"}]}' % rid.encode())]
@@ -501,19 +506,7 @@ async def test_an_answer_larger_than_max_response_bytes_is_a_502_and_never_read_
         head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n"
         flood = [head + big * 3, 30.0]
     posts: list[RawRequest] = []
-
-    def script(req: RawRequest) -> Sequence[Step]:
-        if req.head.startswith(b"GET /v1/models"):
-            return [ok(MODELS)]
-        if req.head.startswith(b"GET"):
-            return [ok(b"", "text/plain")]
-        posts.append(req)
-        if len(posts) == 1:
-            return flood
-        rid = (req.values("x-request-id") or ["?"])[0]
-        return [ok(b'{"id":"cmpl-%s","choices":[{"text":"x"}]}' % rid.encode())]
-
-    async with RawUpstream(script) as up:
+    async with recording_upstream(flood, posts) as up:
         cfg = RouterConfig(
             backends=(BackendSpec(up.url),), port=0, health_interval_s=0.2, max_response_bytes=4096
         )

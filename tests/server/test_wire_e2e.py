@@ -524,3 +524,35 @@ async def test_an_answer_larger_than_max_response_bytes_is_a_502_and_never_read_
             assert posts[1].conn != posts[0].conn  # the flooded connection was not reused
         finally:
             await router.stop()
+
+
+async def test_expect_100_continue_with_a_body_over_the_limit_is_answered_413_without_a_100(
+    tokenizer: Tokenizer,
+) -> None:
+    """A client that announces a body the router would refuse gets the 413 in place of ``100
+    Continue`` (RFC 9110 section 10.1.1), so it never uploads it; the connection is closed. Within
+    the limit the router's own 100 still comes first."""
+    async with recording_upstream() as up:
+        cfg = RouterConfig(
+            backends=(BackendSpec(up.url),), port=0, health_interval_s=0.2, max_body_bytes=4096
+        )
+        router = RouterServer(cfg, tokenizer=tokenizer)
+        await router.start()
+        try:
+            assert await eventually(lambda: router.state.backends[0].healthy)
+            head = (
+                "POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                "Content-Length: 100000\r\nExpect: 100-continue\r\n\r\n"
+            )
+            raw = await raw_exchange(port_of(router), head.encode())  # no body: it waits for a 100
+            status, interim, data = final_answer(raw)
+            assert (status, interim) == (413, []), raw[:300]
+            assert orjson.loads(data)["error"]["code"] == 413
+            assert not [r for r in up.requests if r.head.startswith(b"POST")]
+            body = {"model": "emu", "prompt": "hello", "max_tokens": 4}
+            status, interim, _ = final_answer(
+                await raw_exchange(port_of(router), post(body, "Expect: 100-continue"))
+            )
+            assert (status, interim) == (200, [100])
+        finally:
+            await router.stop()

@@ -46,7 +46,7 @@ from kvroute.server.sync.monitor import Monitor
 from kvroute.server.sync.peers import PeerCollector, PeerLink, PeerSettings
 from kvroute.server.sync.scrape import Scraper, ScraperCollector, ScrapeSchedule
 from kvroute.server.wire.h1 import H1Transport
-from kvroute.server.wire.http import error_response, expect_continue
+from kvroute.server.wire.http import error_response, expect_continue_within
 from kvroute.server.wire.httperrors import RateLimitedLog, json_errors
 from kvroute.server.wire.limits import ClientLimits, LimitedRunner
 from kvroute.server.wire.pruning import pruner
@@ -186,13 +186,12 @@ class RouterServer:
 
     def make_app(self) -> web.Application:
         # The body limit is enforced by the proxy (OpenAI-style 413), so aiohttp's own is lifted.
+        expect_ok = expect_continue_within(self.config.max_body_bytes)
         app = web.Application(
             client_max_size=self.config.max_body_bytes + 1, middlewares=[json_errors(self.bad_requests)]
         )
-        app.router.add_post("/v1/completions", self.proxy.completions, expect_handler=expect_continue)
-        app.router.add_post(
-            "/v1/chat/completions", self.proxy.chat_completions, expect_handler=expect_continue
-        )
+        app.router.add_post("/v1/completions", self.proxy.completions, expect_handler=expect_ok)
+        app.router.add_post("/v1/chat/completions", self.proxy.chat_completions, expect_handler=expect_ok)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/livez", self.livez)

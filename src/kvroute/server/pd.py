@@ -73,7 +73,7 @@ from kvroute.server.state.backends import parse_vllm_metrics
 from kvroute.server.state.pdpools import ROLES, PDBackend, PDChanges, PDInstance, PDMembership
 from kvroute.server.sync.discovery import ParseBackends, Resolver, Source, make_source
 from kvroute.server.wire.h1 import H1Transport
-from kvroute.server.wire.http import expect_continue
+from kvroute.server.wire.http import expect_continue_within
 from kvroute.server.wire.httperrors import RateLimitedLog, json_errors
 from kvroute.server.wire.limits import ClientLimits, LimitedRunner, read_body_within
 from kvroute.server.wire.pdrelay import LegFailed, relay_stream, relay_whole
@@ -238,11 +238,12 @@ class PDServer:
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
+        expect_ok = expect_continue_within(self.config.max_body_bytes)
         app = web.Application(
             client_max_size=self.config.max_body_bytes, middlewares=[json_errors(self.bad_requests)]
         )
-        app.router.add_post("/v1/completions", self.completions, expect_handler=expect_continue)
-        app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=expect_continue)
+        app.router.add_post("/v1/completions", self.completions, expect_handler=expect_ok)
+        app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=expect_ok)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)

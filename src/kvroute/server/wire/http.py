@@ -3,6 +3,8 @@ headers forwarded upstream, and the cached tokens a response reports. No routing
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import orjson
 from aiohttp import web
 
@@ -18,6 +20,7 @@ __all__ = [
     "JSON",
     "REQUEST_ID_HEADER",
     "error_response",
+    "expect_continue_within",
     "extract_cached_tokens",
     "forward_headers",
     "payload_error",
@@ -125,6 +128,23 @@ async def expect_continue(request: web.Request) -> web.Response | None:
         request.writer.output_size = 0  # the answer's head has not been written yet
         return None
     return error_response(ApiError(417, EXPECT_ONLY))
+
+
+def expect_continue_within(limit: int) -> Callable[[web.Request], Awaitable[web.Response | None]]:
+    """:func:`expect_continue` for a route whose bodies are at most ``limit`` bytes: a request that
+    announces a longer one (``Content-Length``) gets its 413 in place of the ``100 Continue``, and
+    the connection is closed, so the client never sends a body that would be refused (RFC 9110
+    section 10.1.1: a server may answer the final status instead)."""
+
+    async def handler(request: web.Request) -> web.Response | None:
+        size = request.content_length
+        if size is not None and size > limit and request.version >= (1, 1):
+            resp = error_response(ApiError(413, f"request body is larger than {limit} bytes"))
+            resp.force_close()
+            return resp
+        return await expect_continue(request)
+
+    return handler
 
 
 def usage_count(data: bytes, key: str, *path: str) -> int | None:

@@ -331,3 +331,17 @@ async def test_a_base_url_path_prefixes_every_request(transport: H1Transport) ->
     async with RawUpstream(lambda req: [answer(req)]) as up:
         assert await call(transport, up.url + "/engine/a/", "p1") == (200, own("p1"))
         assert up.requests[0].head.startswith(b"POST /engine/a/v1/completions HTTP/1.1\r\n")
+
+
+async def test_an_error_answer_to_a_request_with_a_body_is_not_followed_on_its_connection(
+    transport: H1Transport,
+) -> None:
+    """An engine that refuses a request before reading its body, then reads the rest of that body as
+    a request of its own and answers it (no ``x-request-id``: it has none): on a reused connection
+    that late answer came after the next request was sent and was taken for its answer. An error
+    answer to a request with a body now closes its connection."""
+    refused = b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+    late = b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: 7\r\n\r\ngarbage"
+    async with RawUpstream(first_only([refused, 0.3, late])) as up:
+        assert await call(transport, up.url, "hostile") == (400, b"{}")
+        await then_ordinary(transport, up.url)

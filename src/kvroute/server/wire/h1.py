@@ -43,6 +43,9 @@ Behaviour (the :class:`~kvroute.server.wire.transport.Transport` contract):
   closes it, and the pool checks the socket for waiting bytes before it hands a connection out.
   At most ``max_idle`` idle connections per backend; ``abort()`` closes the connection, which a
   vLLM-style engine takes as a cancelled request;
+- an error answer (status 400 or more) to a request with a body closes its connection once read:
+  an engine may answer before it has read the body, and the rest of that body, read later as a
+  request of its own, would have its answer taken for the next request's on that connection;
 - a connection idle in the pool for more than ``keepalive_s`` seconds (the injected ``clock``) is
   closed: by :meth:`H1Transport.prune` (every 50 ms, :mod:`kvroute.server.wire.pruning`), and
   by the pool before it would hand it out. Without it, a connection would stay open until the engine
@@ -320,12 +323,13 @@ class _Conn(asyncio.Protocol):
 class _H1Response:
     """An :class:`~kvroute.server.wire.transport.UpstreamResponse` over one :class:`_Conn`."""
 
-    __slots__ = ("_conn", "_done", "_pool", "_read_timeout_s", "content_type", "status")
+    __slots__ = ("_conn", "_done", "_keep", "_pool", "_read_timeout_s", "content_type", "status")
 
-    def __init__(self, conn: _Conn, pool: _Pool, read_timeout_s: float | None) -> None:
+    def __init__(self, conn: _Conn, pool: _Pool, read_timeout_s: float | None, keep: bool = True) -> None:
         self._conn = conn
         self._pool = pool
         self._read_timeout_s = read_timeout_s
+        self._keep = keep  # False: closed at release even when reusable (H1Transport._exchange)
         self._done = False
         self.status = conn.status
         self.content_type = conn.content_type
@@ -365,7 +369,7 @@ class _H1Response:
         if self._done:
             return
         self._done = True
-        if self._conn.reusable:
+        if self._keep and self._conn.reusable:
             self._pool.put(self._conn)
         else:
             self._conn.close()
@@ -537,7 +541,7 @@ class H1Transport:
         if conn is not None:
             conn.begin()
             try:
-                resp = await self._exchange(conn, pool, request, deadline)
+                resp = await self._exchange(conn, pool, request, deadline, bool(body))
             except UpstreamConnectError:
                 if conn.got_bytes or conn.timed_out:
                     raise
@@ -547,7 +551,7 @@ class H1Transport:
                     return resp
                 # a stray response: nothing of it was returned, so one fresh try
         conn = await self._connect(pool, loop, deadline)
-        resp = await self._exchange(conn, pool, request, deadline)
+        resp = await self._exchange(conn, pool, request, deadline, bool(body))
         if not self._answers(conn, pool, sent_id):
             raise UpstreamConnectError(f"{pool.base}: answered with another request's id")
         return resp
@@ -588,7 +592,7 @@ class H1Transport:
         return conn
 
     async def _exchange(
-        self, conn: _Conn, pool: _Pool, request: bytes, deadline: float | None
+        self, conn: _Conn, pool: _Pool, request: bytes, deadline: float | None, has_body: bool = False
     ) -> _H1Response:
         assert conn.transport is not None
         if conn.closed:
@@ -613,7 +617,9 @@ class H1Transport:
         except BaseException:  # cancelled: the request is in flight, so the connection is unusable
             conn.close()
             raise
-        return _H1Response(conn, pool, self._read_timeout_s)
+        # an error answer to a request with a body may have come before the engine read that body
+        # (module docstring): its connection is not reused
+        return _H1Response(conn, pool, self._read_timeout_s, keep=not (has_body and conn.status >= 400))
 
     def open_connections(self) -> dict[str, int]:
         """Base URL → the connections open to it (idle or carrying a request), for each pool."""

@@ -85,7 +85,12 @@ class RecordingSim(ClusterSim):
         eng._start_step = logged
 
     def _carry_out(
-        self, req: Request, rr: RouteRequest, arrived: float, views: list[InstanceView], decision: Decision
+        self,
+        req: Request,
+        rr: RouteRequest,
+        arrived: float,
+        views: Sequence[InstanceView],
+        decision: Decision,
     ) -> None:
         picks: tuple[Any, ...] = ()
         before = {}

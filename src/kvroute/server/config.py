@@ -70,7 +70,15 @@ from kvroute.features.settings import FeatureConfig
 from kvroute.policies.registry import DEFAULT_POLICY
 from kvroute.routing.queue import QueueConfig, default_queue
 
-__all__ = ["BackendSpec", "RouterConfig", "parse_backend_url", "parse_peer_endpoint", "queue_note"]
+__all__ = [
+    "BackendSpec",
+    "RouterConfig",
+    "netloc",
+    "parse_backend_url",
+    "parse_peer_endpoint",
+    "queue_note",
+    "url_text_ok",
+]
 
 
 TOKENIZE_MODES = ("defer", "exact")  # RouterConfig.tokenize
@@ -365,7 +373,7 @@ def parse_backend_url(url: str) -> str:
     if u.endswith("/v1"):
         u = u[: -len("/v1")]
     bad = UserError(f"backend URL {url!r} must look like http://host:port")
-    if not (u.isascii() and u.isprintable()) or any(c.isspace() for c in u):
+    if not url_text_ok(u):
         raise bad
     parsed = urlparse(u)
     try:
@@ -375,10 +383,21 @@ def parse_backend_url(url: str) -> str:
     if parsed.scheme not in ("http", "https") or not parsed.hostname or port == 0:
         raise bad
     if parsed.username is None and parsed.password is None:
-        host = parsed.hostname
-        netloc = f"[{host}]" if ":" in host else host
-        parsed = parsed._replace(netloc=netloc if port is None else f"{netloc}:{port}")
+        parsed = parsed._replace(netloc=netloc(parsed.hostname, port))
     return parsed.geturl()
+
+
+def url_text_ok(text: str) -> bool:
+    """Whether ``text`` may be a URL here: printable ASCII without spaces (no control character
+    can reach a log line or a request line through it)."""
+    return text.isascii() and text.isprintable() and not any(c.isspace() for c in text)
+
+
+def netloc(host: str, port: int | None) -> str:
+    """``host[:port]`` as a URL writes it (an IPv6 address in brackets): with the host as
+    ``urlparse`` gives it (lower case), one engine has one URL whichever way it was written."""
+    where = f"[{host}]" if ":" in host else host
+    return where if port is None else f"{where}:{port}"
 
 
 def parse_peer_endpoint(text: str, dns: bool = True) -> tuple[str, str, int]:

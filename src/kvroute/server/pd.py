@@ -378,7 +378,7 @@ class PDServer:
             except UpstreamConnectError:
                 continue
             try:
-                body = await read_capped(resp, self.config.max_response_bytes)
+                body = await read_capped(resp.iter_chunks(), self.config.max_response_bytes)
             except UpstreamBrokenError:
                 resp.abort()
                 continue
@@ -603,7 +603,7 @@ class PDServer:
                 resp = await self._send(inst.backend.url, path, raw, rid)
                 whole = False
                 try:
-                    data = await read_capped(resp, self.config.max_response_bytes)
+                    data = await read_capped(resp.iter_chunks(), self.config.max_response_bytes)
                     whole = 200 <= resp.status < 500
                 finally:
                     if whole:

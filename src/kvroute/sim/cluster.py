@@ -449,7 +449,7 @@ class ClusterSim:
 
     def _commit(self, ticket: Ticket, decision: Decision) -> None:
         req, rr, arrived = ticket.payload
-        self._carry_out(req, rr, arrived, list(self._routed_views), decision)
+        self._carry_out(req, rr, arrived, self._routed_views, decision)
 
     def _released(self, released: list[Released]) -> None:
         self.queue_waits.extend(r.waited_s for r in released if r.queued)
@@ -507,7 +507,12 @@ class ClusterSim:
         self._carry_out(req, rr, arrived, views, self.core.route(rr, views, self.loop.now))
 
     def _carry_out(
-        self, req: Request, rr: RouteRequest, arrived: float, views: list[InstanceView], decision: Decision
+        self,
+        req: Request,
+        rr: RouteRequest,
+        arrived: float,
+        views: Sequence[InstanceView],
+        decision: Decision,
     ) -> None:
         """Carry ``decision`` (made among ``views``) out: reserve on the chosen instance, send."""
         now = self.loop.now

@@ -49,7 +49,7 @@ from kvroute.server.stages.settle import refuse, settle, unavailable
 from kvroute.server.state.backends import Lease
 from kvroute.server.wire.http import error_response
 from kvroute.server.wire.relay import CANCELLED, CLIENT_ERROR, OK, TAIL_BYTES, UPSTREAM_ERROR, Relayed
-from kvroute.server.wire.validate import ApiError, parse_request
+from kvroute.server.wire.validate import ApiError, body_too_large, parse_request
 
 __all__ = [
     "ENGINE_PATHS",
@@ -174,7 +174,7 @@ class Exchange:
         try:
             limit = state.config.max_body_bytes
             if len(body) > limit:
-                raise ApiError(413, f"request body is larger than {limit} bytes")
+                raise body_too_large(limit)
             t0 = clock()
             parsed = parse_request(body, self.chat)  # parse
             t1 = clock()

@@ -37,7 +37,7 @@ from kvroute.server.extproc import messages as m
 from kvroute.server.extproc.exchange import MAX_HEADERS, Exchange, Immediate, Picker, Route
 from kvroute.server.wire.http import error_response
 from kvroute.server.wire.relay import shutting_down
-from kvroute.server.wire.validate import ApiError
+from kvroute.server.wire.validate import ApiError, body_too_large
 
 __all__ = ["HEALTH_EVERY_S", "READY_SERVICES", "ExtProc", "Health"]
 
@@ -139,9 +139,7 @@ class _Stream:
         limit = self.service.picker.state.config.max_body_bytes
         if self.size > limit:
             assert self.exchange is not None
-            return self._finish(
-                self.exchange.refuse(ApiError(413, f"request body is larger than {limit} bytes"))
-            )
+            return self._finish(self.exchange.refuse(body_too_large(limit)))
         if not end:
             return []
         return await self._route()

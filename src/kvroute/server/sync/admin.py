@@ -36,7 +36,7 @@ from urllib.parse import urlparse
 import orjson
 from aiohttp import web
 
-from kvroute.server.config import BackendSpec
+from kvroute.server.config import BackendSpec, netloc, url_text_ok
 from kvroute.server.state.backends import REMOVED, BackendState
 from kvroute.server.state.loadtable import url_digest
 from kvroute.server.sync.fleet import ADMIN, Fleet
@@ -92,7 +92,7 @@ def _host_port(value: object, field: str, schemes: tuple[str, ...]) -> str:
     want = f"{schemes[0]}://host:port"
     if not isinstance(value, str) or not value:
         raise ApiError(400, f"'{field}' must be a string like {want}", field)
-    if not (value.isascii() and value.isprintable()) or any(c.isspace() for c in value):
+    if not url_text_ok(value):
         raise ApiError(400, f"'{field}' must be printable ASCII without spaces, like {want}", field)
     try:
         u = urlparse(value)
@@ -110,7 +110,7 @@ def _host_port(value: object, field: str, schemes: tuple[str, ...]) -> str:
         or rest
     ):
         raise ApiError(400, f"'{field}' must look like {want}, without a path", field)
-    return f"{u.scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+    return f"{u.scheme}://{netloc(host, port)}"
 
 
 _HOST = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?|[0-9a-f:.]*:[0-9a-f:.]*")

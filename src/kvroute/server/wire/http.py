@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from kvroute.server.wire.validate import ApiError, error_body
+from kvroute.server.wire.validate import ApiError, body_too_large, error_body
 
 REQUEST_ID_HEADER = "x-request-id"
 """The request-id header (lower-case): the router's own id for every request goes upstream and back
@@ -46,14 +46,14 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     bytes (by its Content-Length, or while it is read); ApiError(400) with ``close`` set when it does
     not decode (:func:`payload_error`)."""
     if request.content_length is not None and request.content_length > limit:
-        raise ApiError(413, f"request body is larger than {limit} bytes")
+        raise body_too_large(limit)
     chunks = []
     size = 0
     try:
         async for chunk in request.content.iter_any():
             size += len(chunk)
             if size > limit:
-                raise ApiError(413, f"request body is larger than {limit} bytes")
+                raise body_too_large(limit)
             chunks.append(chunk)
     except web.RequestPayloadError as exc:
         raise payload_error(exc) from None
@@ -139,7 +139,7 @@ def expect_continue_within(limit: int) -> Callable[[web.Request], Awaitable[web.
     async def handler(request: web.Request) -> web.Response | None:
         size = request.content_length
         if size is not None and size > limit and request.version >= (1, 1):
-            resp = error_response(ApiError(413, f"request body is larger than {limit} bytes"))
+            resp = error_response(body_too_large(limit))
             resp.force_close()
             return resp
         return await expect_continue(request)

@@ -64,7 +64,7 @@ async def relay_whole(
         resp.abort()
         raise LegFailed(f"HTTP {resp.status} is not a final answer")
     try:
-        data = await read_capped(resp, limit)
+        data = await read_capped(resp.iter_chunks(), limit)
     except UpstreamBrokenError as exc:
         resp.abort()
         raise LegFailed(str(exc)) from None  # nothing sent to the client yet: another D

@@ -42,6 +42,7 @@ from kvroute.server.wire.transport import (
     UpstreamResponse,
     UpstreamStalledError,
     UpstreamTooLargeError,
+    read_capped,
 )
 from kvroute.server.wire.validate import ApiError, error_body
 
@@ -191,23 +192,14 @@ async def _buffered(
 ) -> Relayed:
     """The whole answer read, then relayed in one response; :class:`UpstreamTooLargeError` once it
     is over ``limit`` bytes (None: no limit)."""
-    parts = [first]
-    size = len(first)
     try:
-        if limit is not None and size > limit:
-            raise UpstreamTooLargeError(f"answer is larger than {limit} bytes")
-        async for chunk in chunks:
-            size += len(chunk)
-            if limit is not None and size > limit:
-                raise UpstreamTooLargeError(f"answer is larger than {limit} bytes")
-            parts.append(chunk)
+        body = await read_capped(chunks, limit, first)
     except UpstreamTooLargeError:
         raise
     except UpstreamBrokenError as exc:
         resp = error_response(ApiError(502, f"backend response broke off: {exc}", etype="upstream_error"))
         resp.headers.update(headers)
         return Relayed(UPSTREAM_ERROR, resp, 502, False, None, t_first)
-    body = b"".join(parts)
     status = up.status
     outcome = OK if status < 400 else CLIENT_ERROR if status < 500 else UPSTREAM_ERROR
     resp = web.Response(status=status, body=body, headers={"Content-Type": up.content_type})

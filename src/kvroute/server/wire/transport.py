@@ -86,16 +86,19 @@ class UpstreamResponse(Protocol):
     def abort(self) -> None: ...
 
 
-async def read_capped(resp: UpstreamResponse, limit: int) -> bytes:
-    """``resp``'s whole body, read chunk by chunk; :class:`UpstreamTooLargeError` as soon as it is
-    over ``limit`` bytes (the caller aborts ``resp``), so an engine cannot make the router hold an
-    unbounded answer in memory."""
-    parts = []
-    size = 0
-    async for chunk in resp.iter_chunks():
+async def read_capped(chunks: AsyncIterator[bytes], limit: int | None, first: bytes = b"") -> bytes:
+    """``first`` and the rest of a body from ``chunks`` (an :meth:`UpstreamResponse.iter_chunks`),
+    joined; :class:`UpstreamTooLargeError` as soon as they are over ``limit`` bytes (None: no
+    limit; the caller aborts the response), so an engine cannot make the router hold an unbounded
+    answer in memory."""
+    parts = [first]
+    size = len(first)
+    if limit is not None and size > limit:
+        raise UpstreamTooLargeError(f"answer is larger than {limit} bytes")
+    async for chunk in chunks:
         size += len(chunk)
-        if size > limit:
-            raise UpstreamTooLargeError(f"the answer is larger than {limit} bytes")
+        if limit is not None and size > limit:
+            raise UpstreamTooLargeError(f"answer is larger than {limit} bytes")
         parts.append(chunk)
     return b"".join(parts)
 

@@ -23,6 +23,7 @@ __all__ = [
     "MAX_DEPTH",
     "ApiError",
     "ParsedRequest",
+    "body_too_large",
     "check_depth",
     "error_body",
     "parse_request",
@@ -129,6 +130,11 @@ def _opt_str(body: Mapping[str, Any], key: str) -> str | None:
     if v is not None and not isinstance(v, str):
         raise ApiError(400, f"'{key}' must be a string", key)
     return v
+
+
+def body_too_large(limit: int) -> ApiError:
+    """The 413 of a request body over ``limit`` bytes (announced by its Content-Length, or read)."""
+    return ApiError(413, f"request body is larger than {limit} bytes")
 
 
 def too_long(tokens: int, cap: int) -> ApiError:

@@ -382,3 +382,17 @@ def test_compare_arms_keep_their_queue_explicit() -> None:
     no = spec_from_args(compare.parse_args(["--workload", "chatbot", "--no-router-queue"]), "lmetric")
     assert arm_spec(no, "lmetric").router_queue is None
     assert arm_spec(no, DEFAULT_ARM).router_queue == QueueConfig()
+
+
+@pytest.mark.parametrize(
+    "key", ["max_body_bytes", "max_response_bytes", "health_interval_s", "port", "policy"]
+)
+def test_a_typed_key_left_empty_in_the_yaml_is_its_default(key: str) -> None:
+    """Regression: ``max_body_bytes:`` with no value (YAML null) reached the range checks as None and
+    stopped start-up with a TypeError traceback; it means the default, as for ``router_queue``."""
+    from kvroute.commands.settings import config_from_mapping
+    from kvroute.server.config import RouterConfig
+
+    cfg = config_from_mapping({"backends": ["http://127.0.0.1:8000"], key: None})
+    cfg.validate()
+    assert getattr(cfg, key) == getattr(RouterConfig(backends=()), key)

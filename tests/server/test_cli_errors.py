@@ -22,6 +22,8 @@ from kvroute.cli import main
         (["serve", "--backend", "http://a:0"], "must look like http://host:port"),
         (["serve", "--backend", "http://a:x"], "must look like http://host:port"),
         (["serve", "--backend", "http://a b:1"], "must look like http://host:port"),
+        (["serve", "--backend", "http://a:1/v1?x"], "must look like http://host:port"),
+        (["serve", "--backend", "http://a:1#x"], "must look like http://host:port"),
         (
             ["serve", "--backend", "http://a:1", "--drain-timeout", "-1"],
             "seconds must be a finite number >= 0",

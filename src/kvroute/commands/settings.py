@@ -647,6 +647,8 @@ def config_from_mapping(data: Mapping[str, Any], where: str = "config") -> Route
         if f is None:
             raise UserError(f"{where}: unknown key {key!r}")
         default = f.default
+        if value is None and default is not None:  # a key left empty: its default, as if absent
+            continue
         if key in _OPTIONAL_STR and value is not None and not isinstance(value, str):
             raise UserError(f"{where}: {key} must be a string, got {type(value).__name__}")
         if value is not None and default is not None and default is not dataclasses.MISSING:

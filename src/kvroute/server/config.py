@@ -368,12 +368,13 @@ class RouterConfig:
 def parse_backend_url(url: str) -> str:
     """Normalise a backend base URL (strip trailing ``/`` and a trailing ``/v1``; scheme and host in
     lower case, so that one engine has one URL whichever way it was written); raise UserError if it
-    is not ``http(s)://host[:port]`` in printable ASCII without spaces, with a port in 1..65535."""
+    is not ``http(s)://host[:port][/path]`` in printable ASCII without spaces, with a port in
+    1..65535 and no query or fragment."""
     u = url.strip().rstrip("/")
     if u.endswith("/v1"):
         u = u[: -len("/v1")]
     bad = UserError(f"backend URL {url!r} must look like http://host:port")
-    if not url_text_ok(u):
+    if not url_text_ok(u) or "?" in u or "#" in u:
         raise bad
     parsed = urlparse(u)
     try:
